@@ -1,0 +1,115 @@
+"""torchmetrics state for one attention module: the on-device sums and counts, summed across processes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from attn_callbacks import functional as F
+
+__all__ = ["AttentionAccumulator", "AttentionStats"]
+
+
+class AttentionStats(NamedTuple):
+    """What :meth:`AttentionAccumulator.compute` returns; see the glossary in the README.
+
+    Attributes:
+        attention_sum: ``S``, ``(H, Vq, Vk)`` float32.
+        pair_count: ``C``, ``(Vq, Vk)`` int64.
+        query_count: ``Q``, ``(Vq,)`` int64.
+        skipped_rows: number of valid query rows dropped because their weights were not finite (0-dim int64).
+        attention_mass: ``P = S / Q[:, None]`` per head, ``(H, Vq, Vk)``.
+        mean_weight: ``M = S / C`` per head, ``(H, Vq, Vk)``.
+    """
+
+    attention_sum: Tensor
+    pair_count: Tensor
+    query_count: Tensor
+    skipped_rows: Tensor
+    attention_mass: Tensor
+    mean_weight: Tensor
+
+
+class AttentionAccumulator(Metric):
+    """Running vocabulary × vocabulary attention sums for one attention module.
+
+    States (all ``dist_reduce_fx="sum"``, so DDP ranks add up): ``attention_sum (H, Vq, Vk)``,
+    ``pair_count (Vq, Vk)``, ``query_count (Vq,)`` and ``skipped_rows``. Updates are one vectorised scatter-add per
+    state, with no host sync. Division happens only in :meth:`compute`.
+
+    Args:
+        num_heads: number of attention heads ``H``.
+        query_vocab_size: size ``Vq`` of the vocabulary of the query tokens.
+        key_vocab_size: size ``Vk`` of the vocabulary of the key tokens.
+
+    Example:
+        >>> acc = AttentionAccumulator(num_heads=1, query_vocab_size=3, key_vocab_size=3)
+        >>> ids = torch.tensor([[1, 2]])
+        >>> valid = torch.ones(1, 2, dtype=torch.bool)
+        >>> acc.update(torch.tensor([[[[0.25, 0.75], [1.0, 0.0]]]]), ids, ids, valid, valid)
+        >>> acc.compute().attention_mass[0, 1].tolist()
+        [0.0, 0.25, 0.75]
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    attention_sum: Tensor
+    pair_count: Tensor
+    query_count: Tensor
+    skipped_rows: Tensor
+
+    def __init__(self, num_heads: int, query_vocab_size: int, key_vocab_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for name, value in (
+            ("num_heads", num_heads),
+            ("query_vocab_size", query_vocab_size),
+            ("key_vocab_size", key_vocab_size),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Expected argument `{name}` to be a positive integer, but got {value!r}")
+        self.num_heads = num_heads
+        self.query_vocab_size = query_vocab_size
+        self.key_vocab_size = key_vocab_size
+        # Created as normal tensors (never inside inference mode) so they can be updated in place anywhere.
+        with torch.inference_mode(False):
+            self.add_state("attention_sum", torch.zeros(num_heads, query_vocab_size, key_vocab_size), "sum")
+            self.add_state("pair_count", torch.zeros(query_vocab_size, key_vocab_size, dtype=torch.long), "sum")
+            self.add_state("query_count", torch.zeros(query_vocab_size, dtype=torch.long), "sum")
+            self.add_state("skipped_rows", torch.zeros((), dtype=torch.long), "sum")
+
+    def update(
+        self, weights: Tensor, query_ids: Tensor, key_ids: Tensor, query_valid: Tensor, key_valid: Tensor
+    ) -> None:
+        """Add one batch; arguments as in :func:`attn_callbacks.functional.accumulate_attention`."""
+        skipped = F.accumulate_attention(
+            self.attention_sum,
+            self.pair_count,
+            self.query_count,
+            weights,
+            query_ids,
+            key_ids,
+            query_valid,
+            key_valid,
+        )
+        self.skipped_rows += skipped
+
+    def compute(self) -> AttentionStats:
+        """The (process-summed) sums and counts, with ``P = S / Q`` and ``M = S / C`` per head."""
+        return AttentionStats(
+            attention_sum=self.attention_sum,
+            pair_count=self.pair_count,
+            query_count=self.query_count,
+            skipped_rows=self.skipped_rows,
+            attention_mass=F.attention_mass(self.attention_sum, self.query_count),
+            mean_weight=F.mean_weight(self.attention_sum, self.pair_count),
+        )
+
+    def reset(self) -> None:
+        """Zero the sums; the fresh states are normal tensors even when called inside inference mode."""
+        with torch.inference_mode(False):
+            super().reset()

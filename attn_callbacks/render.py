@@ -1,0 +1,133 @@
+"""Matrices -> labelled heatmap images (matplotlib's object API on the Agg canvas; pyplot's global state untouched)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
+
+__all__ = ["TokenLabels", "figure_to_array", "head_grid", "heatmap", "label_tokens", "markdown_table"]
+
+TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | None
+
+_MAX_LABEL = 14
+
+
+def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None) -> list[str]:
+    """Readable tick labels for token ids: from a list, dict or callable, else the id itself; long ones trimmed.
+
+    Example:
+        >>> label_tokens([0, 2], ["<pad>", "the", "a-very-long-word-piece"])
+        ['<pad>', 'a-very-long-w…']
+    """
+    labels = []
+    for token in ids:
+        if id_to_token is None:
+            text = str(token)
+        elif callable(id_to_token) and not isinstance(id_to_token, (Mapping, Sequence)):
+            text = str(id_to_token(token))
+        elif isinstance(id_to_token, Mapping):
+            text = str(id_to_token.get(token, token))
+        else:
+            text = str(id_to_token[token]) if 0 <= token < len(id_to_token) else str(token)
+        text = text.replace("\n", "\\n") or repr(text)
+        labels.append(text if len(text) <= _MAX_LABEL else text[: _MAX_LABEL - 1] + "…")
+    return labels
+
+
+def _draw(ax, matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], diverging: bool, vmax: float | None):
+    if diverging:
+        limit = vmax if vmax is not None else max(float(np.abs(matrix).max()), 1e-12)
+        image = ax.imshow(
+            matrix, cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -limit, limit), aspect="auto", interpolation="nearest"
+        )
+    else:
+        image = ax.imshow(matrix, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto", interpolation="nearest")
+    size = 7 if max(len(rows), len(cols)) <= 30 else 5
+    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=size)
+    ax.set_yticks(range(len(rows)), rows, fontsize=size)
+    ax.set_xlabel("key token (attended to)")
+    ax.set_ylabel("query token (attending)")
+    return image
+
+
+def _figsize(rows: int, cols: int) -> tuple[float, float]:
+    return 2.5 + 0.22 * max(cols, 8), 2.0 + 0.22 * max(rows, 8)
+
+
+def heatmap(
+    matrix: np.ndarray,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title: str,
+    colorbar_label: str,
+    diverging: bool = False,
+    vmax: float | None = None,
+) -> Figure:
+    """One labelled heatmap: queries on rows, keys on columns, with a colour bar.
+
+    Args:
+        matrix: ``(R, C)``.
+        row_labels: ``R`` query token labels.
+        col_labels: ``C`` key token labels.
+        title: figure title (name the layer and head).
+        colorbar_label: what the colour means.
+        diverging: a red/blue scale centred on 0 (for differences such as ``P - Pᵀ``).
+        vmax: top of the colour scale (symmetric limit when diverging); the data's maximum if None.
+    """
+    figure = Figure(figsize=_figsize(len(row_labels), len(col_labels)), dpi=100, layout="constrained")
+    ax = figure.add_subplot()
+    image = _draw(ax, matrix, row_labels, col_labels, diverging, vmax)
+    ax.set_title(title, fontsize=9)
+    figure.colorbar(image, ax=ax, label=colorbar_label, shrink=0.8)
+    return figure
+
+
+def head_grid(
+    matrices: np.ndarray,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title: str,
+    colorbar_label: str,
+) -> Figure:
+    """Per-head heatmaps ``(H, R, C)`` in a grid sharing one colour scale, so heads compare by eye."""
+    heads = matrices.shape[0]
+    ncols = min(heads, 4)
+    nrows = math.ceil(heads / ncols)
+    width, height = _figsize(len(row_labels), len(col_labels))
+    figure = Figure(figsize=(width * ncols * 0.8, height * nrows * 0.8), dpi=100, layout="constrained")
+    axes = figure.subplots(nrows, ncols, squeeze=False)
+    vmax = max(float(matrices.max()), 1e-12)
+    image = None
+    for h, ax in enumerate(axes.flat):
+        if h >= heads:
+            ax.set_axis_off()
+            continue
+        image = _draw(ax, matrices[h], row_labels, col_labels, False, vmax)
+        ax.set_title(f"head {h}", fontsize=9)
+    figure.suptitle(title, fontsize=10)
+    figure.colorbar(image, ax=axes, label=colorbar_label, shrink=0.6)
+    return figure
+
+
+def figure_to_array(figure: Figure) -> np.ndarray:
+    """Render a figure to an ``(H, W, 3)`` uint8 RGB array (for ``SummaryWriter.add_image(..., dataformats="HWC")``)."""
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (TensorBoard's text plugin renders it); ``|`` in cells escaped."""
+
+    def cell(value: object) -> str:
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines)
