@@ -78,7 +78,7 @@ def test_accumulate_attention_drops_and_counts_nan_rows():
     rS, rC, rQ, rskipped = naive_accumulate(weights, qi, ki, qv, kv, 3, 3)
     assert torch.isfinite(S).all()
     torch.testing.assert_close(S.double(), rS, rtol=1e-5, atol=1e-6)
-    assert torch.equal(Q.double(), rQ) and skipped == rskipped == 2
+    assert torch.equal(C.double(), rC) and torch.equal(Q.double(), rQ) and skipped == rskipped == 2
 
 
 def test_attention_mass_rows_sum_to_one_and_mean_weight_hand_computed():

@@ -1,0 +1,129 @@
+import pytest
+import torch
+from torch import nn
+
+from attn_callbacks.capture import AttentionCapture, capture_attention, find_attention_modules
+
+
+def encoder(batch_first=True, layers=2, nested=True):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=nested).eval()
+
+
+def count_calls(model):
+    calls: dict[str, list] = {}
+
+    def consumer(name, module, weights):
+        calls.setdefault(name, []).append(weights.clone())
+
+    return calls, AttentionCapture(find_attention_modules(model), consumer)
+
+
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_capture_fires_once_per_layer_on_stock_encoder_with_nested_tensors(with_padding):
+    model = encoder(nested=True)
+    x = torch.randn(3, 6, 16)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    mask = pad if with_padding else None
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    with torch.inference_mode():
+        reference = model(x, src_key_padding_mask=mask)
+        calls, capture = count_calls(model)
+        with capture:
+            out = model(x, src_key_padding_mask=mask)
+    assert sorted(calls) == ["layers.0.self_attn", "layers.1.self_attn"]
+    for weights in calls.values():
+        assert len(weights) == 1 and weights[0].shape == (3, 4, 6, 6)
+        torch.testing.assert_close(weights[0].sum(-1), torch.ones(3, 4, 6))
+        if with_padding:
+            assert float(weights[0][0, :, :, 4:].abs().max()) == 0.0  # padded keys get no weight
+    # Outputs at real positions are unchanged (padded positions are zeros on the nested path, dense while hooked).
+    valid = ~pad if with_padding else torch.ones_like(pad)
+    assert float((out - reference)[valid].abs().max()) <= 1e-6
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+
+
+def test_capture_weights_equal_manual_need_weights_call_batch_first_false():
+    model = encoder(batch_first=False, layers=1, nested=False)
+    attn = model.layers[0].self_attn
+    x = torch.randn(5, 2, 16)  # (L, B, E)
+    with torch.no_grad():
+        _, expected = attn(x, x, x, need_weights=True, average_attn_weights=False)
+        calls, capture = count_calls(model)
+        with capture:
+            model(x)
+    weights = calls["layers.0.self_attn"][0]
+    assert weights.shape == (2, 4, 5, 5)  # batch-major whatever batch_first says
+    torch.testing.assert_close(weights, expected)
+
+
+def test_capture_nn_transformer_all_modules_and_outputs_identical():
+    torch.manual_seed(0)
+    model = nn.Transformer(16, 4, 2, 2, 32, dropout=0.0, batch_first=True).eval()
+    src, tgt = torch.randn(2, 7, 16), torch.randn(2, 5, 16)
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    with torch.inference_mode():
+        reference = model(src, tgt, tgt_mask=causal, tgt_is_causal=True)
+        calls, capture = count_calls(model)
+        with capture:
+            out = model(src, tgt, tgt_mask=causal, tgt_is_causal=True)
+    assert float((out - reference).abs().max()) <= 1e-6
+    assert len(calls) == 6 and all(len(v) == 1 for v in calls.values())
+    self_attn = calls["decoder.layers.0.self_attn"][0]
+    assert self_attn.shape == (2, 4, 5, 5)
+    assert float(self_attn.triu(1).abs().max()) == 0.0  # causal: nothing above the diagonal
+    assert calls["decoder.layers.1.multihead_attn"][0].shape == (2, 4, 5, 7)
+
+
+def test_capture_gives_caller_what_it_asked_for_positional_need_weights():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        _, averaged = mha(x, x, x)
+        calls, capture = count_calls(mha)
+        with capture:
+            out_none = mha(x, x, x, None, False)  # need_weights passed positionally
+            out_avg = mha(x, x, x)
+            out_heads = mha(x, x, x, average_attn_weights=False)
+    assert out_none[1] is None
+    torch.testing.assert_close(out_avg[1], averaged)
+    assert out_heads[1].shape == (2, 2, 3, 3)
+    assert len(calls[""]) == 3 and all(w.shape == (2, 2, 3, 3) for w in calls[""])
+
+
+def test_capture_detaches_and_restores_fastpath_after_exception():
+    model = encoder()
+
+    def consumer(name, module, weights):
+        raise RuntimeError("boom")
+
+    capture = AttentionCapture(find_attention_modules(model), consumer)
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), capture:
+        assert not torch.backends.mha.get_fastpath_enabled()
+        model(torch.randn(1, 3, 16))
+    assert torch.backends.mha.get_fastpath_enabled()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    capture.detach()  # idempotent
+
+
+def test_capture_attention_context_manager_collects_every_call():
+    model = encoder(nested=False)
+    with torch.no_grad(), capture_attention(model, modules=["layers.1.*"]) as weights:
+        model(torch.randn(2, 4, 16))
+        model(torch.randn(1, 3, 16))
+    assert list(weights) == ["layers.1.self_attn"]
+    assert [w.shape for w in weights["layers.1.self_attn"]] == [(2, 4, 4, 4), (1, 4, 3, 3)]
+
+
+def test_find_attention_modules_errors_name_the_pattern_and_model():
+    with pytest.raises(ValueError, match="No torch.nn.MultiheadAttention found in the model \\(Linear\\)"):
+        find_attention_modules(nn.Linear(2, 2))
+    model = encoder()
+    with pytest.raises(ValueError, match="'layers.0.linear1'.*not nn.MultiheadAttention"):
+        find_attention_modules(model, ["layers.0.linear1"])
+    with pytest.raises(ValueError, match="'nothing.*'.*matched no module"):
+        find_attention_modules(model, ["nothing.*"])
