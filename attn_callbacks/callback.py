@@ -171,6 +171,10 @@ class AttentionMonitor(Callback):
     ) -> None:
         self._batch = batch
         self._batch_ids.clear()
+        if self._capture is not None and self._capture.attached:
+            # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
+            for stream in dict.fromkeys(s for pair in self._streams_of.values() for s in pair):
+                self._stream_ids(stream, pl_module.device)
 
     def on_validation_batch_end(
         self,
@@ -247,8 +251,9 @@ class AttentionMonitor(Callback):
         if weights.dim() == 3:  # unbatched call: (H, Lq, Lk)
             weights = weights.unsqueeze(0)
         query_stream, key_stream = self._streams_of[name]
-        query_ids, query_valid = self._stream_ids(query_stream, weights.device)
-        key_ids, key_valid = self._stream_ids(key_stream, weights.device)
+        # .to() is a no-op unless the module lives on another device than the LightningModule's (model parallel).
+        query_ids, query_valid = (t.to(weights.device) for t in self._stream_ids(query_stream, weights.device))
+        key_ids, key_valid = (t.to(weights.device) for t in self._stream_ids(key_stream, weights.device))
         batch, _, len_q, len_k = weights.shape
         if query_ids.shape != (batch, len_q) or key_ids.shape != (batch, len_k):
             raise ValueError(

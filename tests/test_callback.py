@@ -1,0 +1,349 @@
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader
+
+from attn_callbacks import AttentionMonitor
+from attn_callbacks.functional import accumulate_attention, attention_mass
+
+VOCAB, PAD, LENGTH = 12, 0, 6
+
+
+def make_batches(n=16, batch_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, LENGTH), generator=g)
+    ids[::3, -2:] = PAD  # some padding
+    return [{"input_ids": ids[i : i + batch_size]} for i in range(0, n, batch_size)]
+
+
+class TinyEncoder(LightningModule):
+    def __init__(self, fail_in_validation=False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(16, VOCAB)
+        self.fail_in_validation = fail_in_validation
+        self.val_outputs = []
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ids == PAD))
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        return nn.functional.cross_entropy(self(ids).flatten(0, 1), ids.flatten(), ignore_index=PAD)
+
+    def validation_step(self, batch, batch_idx):
+        if self.fail_in_validation:
+            raise RuntimeError("validation failed")
+        logits = self(batch["input_ids"])
+        self.val_outputs.append(logits)
+        self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1), batch["input_ids"].flatten()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def collate(items):
+    return items[0]
+
+
+def loaders():
+    return DataLoader(make_batches(), batch_size=1, collate_fn=collate), DataLoader(
+        make_batches(seed=1), batch_size=1, collate_fn=collate
+    )
+
+
+def trainer(tmp_path, callbacks, logger=None, **kwargs):
+    return Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=2,
+        accelerator="cpu",
+        logger=logger if logger is not None else TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **kwargs,
+    )
+
+
+def no_hooks(model):
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_path):
+    seed_everything(0)
+    labels = [f"tok{i}" for i in range(VOCAB)]
+    monitor = AttentionMonitor(VOCAB, "input_ids", id_to_token=labels, ignore_ids=[PAD], top_k=8, min_support=1)
+    model = TinyEncoder()
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], num_sanity_val_steps=2)
+    t.fit(model, train, val)
+    assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+
+    events = EventAccumulator(t.logger.log_dir, size_guidance={IMAGES: 0, SCALARS: 0, TENSORS: 0})
+    events.Reload()
+    layers = ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    kinds = ("mass", "mass_heads", "asymmetry_map")
+    assert sorted(events.Tags()["images"]) == sorted(f"attention_{k}/{layer}" for k in kinds for layer in layers)
+    for layer in layers:
+        for kind in ("mass", "mass_heads", "asymmetry_map"):
+            images = events.Images(f"attention_{kind}/{layer}")
+            assert len(images) == 2  # two epochs, sanity check not logged
+            png = Image.open(io.BytesIO(images[-1].encoded_image_string))
+            assert png.size == (images[-1].width, images[-1].height) and png.width > 200 and png.height > 200
+        for name in ("asymmetry", "entropy", "asymmetry", "skipped_rows"):
+            values = [e.value for e in events.Scalars(f"attention_{name}/{layer}")]
+            assert len(values) == 2 and all(math.isfinite(v) for v in values)
+        for h in range(2):
+            assert len(events.Scalars(f"attention_entropy/{layer}/head_{h}")) == 2
+            assert len(events.Scalars(f"attention_asymmetry/{layer}/head_{h}")) == 2
+        text = events.Tensors(f"attention_one_way_pairs/{layer}/text_summary")  # add_text's own suffix
+        assert len(text) == 2 and b"| query a | key b |" in text[-1].tensor_proto.string_val[0]
+    asym = [e.value for e in events.Scalars(f"attention_asymmetry/{layers[0]}")]
+    assert all(0.0 <= v <= 1.0 for v in asym)
+    entropy = [e.value for e in events.Scalars(f"attention_entropy/{layers[0]}")]
+    assert all(0.0 < v <= math.log(VOCAB) for v in entropy)
+
+
+class Recorder(AttentionMonitor):
+    """Keeps the computed stats of the last epoch to compare against an independent reference."""
+
+    def _log_module(self, pl_module, name, stats, writer, step):
+        self.last = getattr(self, "last", {})
+        self.last[name] = stats
+        super()._log_module(pl_module, name, stats, writer, step)
+
+
+def test_callback_sums_equal_reference_from_manually_captured_weights(tmp_path):
+    seed_everything(0)
+    monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD])
+    model = TinyEncoder()
+    _, val = loaders()
+    t = trainer(tmp_path, [monitor])
+    t.validate(model, val)
+    stats = monitor.last["encoder.layers.1.self_attn"]
+    # reference: per-head weights recomputed directly from the layer with need_weights=True, loop-accumulated
+    S = torch.zeros(2, VOCAB, VOCAB, dtype=torch.float64)
+    Q = torch.zeros(VOCAB, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in make_batches(seed=1):
+            ids = batch["input_ids"]
+            x = model.encoder.layers[0](model.embed(ids), src_key_padding_mask=ids == PAD)
+            attn = model.encoder.layers[1].self_attn
+            _, w = attn(x, x, x, key_padding_mask=ids == PAD, need_weights=True, average_attn_weights=False)
+            for n in range(ids.shape[0]):
+                for i in range(LENGTH):
+                    if ids[n, i] == PAD:
+                        continue
+                    Q[ids[n, i]] += 1
+                    for j in range(LENGTH):
+                        if ids[n, j] != PAD:
+                            S[:, ids[n, i], ids[n, j]] += w[n, :, i, j].double()
+    torch.testing.assert_close(stats.attention_sum.double(), S, rtol=1e-4, atol=1e-5)
+    assert torch.equal(stats.query_count.double(), Q)
+    P = stats.attention_mass
+    seen = Q > 0
+    torch.testing.assert_close(P.sum(-1)[:, seen], torch.ones(2, int(seen.sum())), rtol=1e-5, atol=1e-5)
+    assert no_hooks(model)
+
+
+def test_callback_does_not_change_validation_outputs(tmp_path):
+    outputs = []
+    for callbacks in ([], [AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])]):
+        seed_everything(0)
+        model = TinyEncoder()
+        _, val = loaders()
+        trainer(tmp_path, callbacks).validate(model, val, verbose=False)
+        outputs.append(torch.cat(model.val_outputs))
+    ids = torch.cat([b["input_ids"] for b in make_batches(seed=1)])
+    real = ids != PAD  # padded positions: zeros on the nested-tensor fast path, computed densely while hooked
+    assert float((outputs[0] - outputs[1])[real].abs().max()) <= 1e-6
+
+
+def test_callback_exception_in_validation_leaves_no_hooks_and_restores_fastpath(tmp_path):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    model = TinyEncoder(fail_in_validation=True)
+    train, val = loaders()
+    with pytest.raises(RuntimeError, match="validation failed"):
+        trainer(tmp_path, [monitor], num_sanity_val_steps=0).fit(model, train, val)
+    assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+    assert all(int(m.query_count.sum()) == 0 for m in monitor._metrics.values())
+
+
+def test_callback_without_tensorboard_logs_scalars_and_warns_once(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path))
+    with pytest.warns(UserWarning, match="no TensorBoardLogger") as record:
+        t.fit(TinyEncoder(), train, val)
+    assert sum("no TensorBoardLogger" in str(w.message) for w in record) == 1
+    with open(f"{t.logger.log_dir}/metrics.csv") as csv:
+        text = csv.read()
+    assert "attention_asymmetry/encoder.layers.0.self_attn" in text
+
+
+def test_callback_log_every_n_epochs_hooks_only_logged_epochs(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], log_every_n_epochs=2, per_head=False)
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], num_sanity_val_steps=0)
+    t.fit(TinyEncoder(), train, val)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={IMAGES: 0, SCALARS: 0})
+    events.Reload()
+    assert len(events.Scalars("attention_entropy/encoder.layers.0.self_attn")) == 1  # epoch 0 only of 0, 1
+    assert "attention_mass_heads/encoder.layers.0.self_attn" not in events.Tags()["images"]
+
+
+class Seq2Seq(LightningModule):
+    def __init__(self, src_vocab=7, tgt_vocab=9, batch_first=True):
+        super().__init__()
+        self.src_embed, self.tgt_embed = nn.Embedding(src_vocab, 16), nn.Embedding(tgt_vocab, 16)
+        self.transformer = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=batch_first)
+        self.batch_first = batch_first
+
+    def validation_step(self, batch, batch_idx):
+        src, tgt = batch["src"], batch["tgt"]  # (B, L) when batch_first else (L, B)
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1 if self.batch_first else 0])
+        self.transformer(self.src_embed(src), self.tgt_embed(tgt), tgt_mask=mask, tgt_is_causal=True)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_callback_cross_attention_streams_for_nn_transformer(tmp_path, batch_first):
+    seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"src": torch.randint(0, 7, (3, 5), generator=g), "tgt": torch.randint(0, 9, (3, 4), generator=g)}]
+    if not batch_first:
+        batches = [{k: v.T for k, v in b.items()} for b in batches]
+    monitor = Recorder({"src": 7, "tgt": 9}, {"src": "src", "tgt": "tgt"}, batch_first=batch_first)
+    model = Seq2Seq(batch_first=batch_first)
+    trainer(tmp_path, [monitor]).validate(model, DataLoader(batches, batch_size=None))
+    cross = monitor.last["transformer.decoder.layers.0.multihead_attn"]
+    assert cross.attention_sum.shape == (2, 9, 7)
+    b = batches[0] if batch_first else {k: v.T for k, v in batches[0].items()}
+    assert torch.equal(cross.query_count, torch.bincount(b["tgt"].flatten(), minlength=9))
+    # cross-attention rows sum to 1 over the source vocabulary for every target token seen
+    seen = cross.query_count > 0
+    torch.testing.assert_close(cross.attention_mass[:, seen].sum(-1), torch.ones(2, int(seen.sum())))
+    # decoder self-attention is causal: the first target token attends only to itself
+    dec = monitor.last["transformer.decoder.layers.0.self_attn"]
+    assert dec.attention_sum.shape == (2, 9, 9)
+    # reference from the captured weights through the functional core
+    with torch.no_grad():
+        src, tgt = b["src"], b["tgt"]
+        memory = model.transformer.encoder(model.src_embed(src if batch_first else src.T))
+        x = model.transformer.decoder.layers[0]
+        tgt_x = model.tgt_embed(tgt if batch_first else tgt.T)
+        mask = nn.Transformer.generate_square_subsequent_mask(4)
+        h = x.norm1(tgt_x + x._sa_block(tgt_x, mask, None, is_causal=True))
+        _, w = x.multihead_attn(h, memory, memory, need_weights=True, average_attn_weights=False)
+    S, C, Q = torch.zeros(2, 9, 7), torch.zeros(9, 7, dtype=torch.long), torch.zeros(9, dtype=torch.long)
+    ones = torch.ones_like
+    accumulate_attention(S, C, Q, w, tgt, src, ones(tgt, dtype=torch.bool), ones(src, dtype=torch.bool))
+    torch.testing.assert_close(cross.attention_mass, attention_mass(S, Q), rtol=1e-5, atol=1e-6)
+
+
+class BareModel(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+
+def run_validate(tmp_path, monitor, batches, model=None):
+    model = model or TinyEncoder()
+    trainer(tmp_path, [monitor]).validate(model, DataLoader(batches, batch_size=None), verbose=False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "batches", "error", "match"),
+    [
+        ({}, [{"input_ids": torch.full((2, LENGTH), VOCAB)}], ValueError, f"Token id {VOCAB} of stream 'tokens'"),
+        ({}, [{"input_ids": torch.full((2, LENGTH), -3)}], ValueError, "Token id -3 .*outside the vocabulary"),
+        ({}, [{"input_ids": torch.ones(2, LENGTH)}], ValueError, "integer token ids for stream 'tokens'.*float32"),
+        (
+            {},
+            [{"other": torch.ones(2, LENGTH, dtype=torch.long)}],
+            KeyError,
+            "Batch key 'input_ids'.*keys: \\['other'\\]",
+        ),
+        (
+            {"token_ids": lambda b: b["input_ids"][:, :-1]},
+            [{"input_ids": torch.ones(2, LENGTH, dtype=torch.long)}],
+            ValueError,
+            "module 'encoder.layers.0.self_attn'.*\\(2, 2, 6, 6\\).*\\(2, 5\\)",
+        ),
+    ],
+)
+def test_callback_bad_batch_input_raises_clear_error(tmp_path, kwargs, batches, error, match):
+    monitor = AttentionMonitor(VOCAB, **{"token_ids": "input_ids", **kwargs})
+    model = TinyEncoder()
+    with pytest.raises(error, match=match):
+        run_validate(tmp_path, monitor, batches, model)
+    assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"vocab_size": 0}, "`vocab_size` to be a positive integer, but got 0"),
+        ({"vocab_size": -3}, "`vocab_size` to be a positive integer, but got -3"),
+        ({"vocab_size": {"src": 5}, "token_ids": {"src": "a", "tgt": "b"}}, "`vocab_size` has no entry for .*'tgt'"),
+        ({"vocab_size": 5, "token_ids": 3.5}, "`token_ids`.*but got 3.5"),
+        ({"vocab_size": 5, "top_k": 0}, "`top_k` to be a positive integer, but got 0"),
+        ({"vocab_size": 5, "ignore_ids": [0.5]}, "`ignore_ids`.*\\[0.5\\]"),
+        ({"vocab_size": 5, "log_every_n_epochs": -1}, "`log_every_n_epochs`.*-1"),
+    ],
+)
+def test_callback_bad_arguments_raise_naming_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionMonitor(**kwargs)
+
+
+def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
+    with pytest.raises(MisconfigurationException, match="No torch.nn.MultiheadAttention found in the model"):
+        run_validate(
+            tmp_path, AttentionMonitor(VOCAB), [{"input_ids": torch.ones(1, 2, dtype=torch.long)}], BareModel()
+        )
+    two_streams = AttentionMonitor({"a": VOCAB, "b": VOCAB}, {"a": "input_ids", "b": "input_ids"})
+    with pytest.raises(MisconfigurationException, match="No token stream for attention module 'encoder.layers.0"):
+        run_validate(tmp_path, two_streams, make_batches())
+    unknown = AttentionMonitor(VOCAB, "input_ids", attention_streams={"*": ("tokens", "nope")})
+    with pytest.raises(MisconfigurationException, match="unknown stream\\(s\\) \\['nope'\\]"):
+        run_validate(tmp_path, unknown, make_batches())
+
+
+def test_callback_nan_rows_are_counted_and_skipped(tmp_path):
+    monitor = Recorder(VOCAB, "input_ids")
+    model = TinyEncoder()
+    monitor.setup(None, model, "validate")
+    monitor._capture.consumer = monitor._consume
+    batch = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
+    monitor._batch = batch
+    monitor._metrics = {}
+
+    class FakeTrainer:
+        sanity_checking, current_epoch = False, 0
+
+    monitor.on_validation_epoch_start(FakeTrainer(), model)
+    weights = torch.full((1, 2, 3, 3), 1 / 3)
+    weights[0, :, 1] = float("nan")
+    monitor._consume("encoder.layers.0.self_attn", None, weights)
+    monitor._release()
+    metric = monitor._metrics["encoder.layers.0.self_attn"]
+    assert int(metric.skipped_rows) == 1 and int(metric.query_count[1]) == 2
+    assert np.isclose(float(metric.attention_sum[0, 1, 1]), 2.0)
