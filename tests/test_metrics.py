@@ -1,0 +1,48 @@
+import torch
+
+from attn_callbacks.metrics import AttentionAccumulator
+
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        w = torch.randn(2, 3, 4, 5, generator=g).softmax(-1)
+        yield w, torch.randint(0, 6, (2, 4), generator=g), torch.randint(0, 4, (2, 5), generator=g)
+
+
+def test_accumulator_sums_batches_and_divides_only_at_compute():
+    metric = AttentionAccumulator(3, 6, 4)
+    S = torch.zeros(3, 6, 4, dtype=torch.float64)
+    Q = torch.zeros(6, dtype=torch.long)
+    for w, q, k in batches():
+        metric.update(w, q, k, torch.ones_like(q, dtype=torch.bool), torch.ones_like(k, dtype=torch.bool))
+        for n in range(2):
+            for i in range(4):
+                Q[q[n, i]] += 1
+                for j in range(5):
+                    S[:, q[n, i], k[n, j]] += w[n, :, i, j].double()
+    stats = metric.compute()
+    torch.testing.assert_close(stats.attention_sum.double(), S)
+    assert torch.equal(stats.query_count, Q) and int(stats.pair_count.sum()) == 3 * 2 * 4 * 5
+    seen = Q > 0
+    torch.testing.assert_close(stats.attention_mass[:, seen].sum(-1), torch.ones(3, int(seen.sum())))
+    metric.reset()
+    assert float(metric.attention_sum.abs().sum()) == 0 and int(metric.query_count.sum()) == 0
+
+
+def test_accumulator_updates_inside_and_outside_inference_mode():
+    w, q, k = next(batches())
+    valid_q, valid_k = torch.ones_like(q, dtype=torch.bool), torch.ones_like(k, dtype=torch.bool)
+    with torch.inference_mode():
+        metric = AttentionAccumulator(3, 6, 4)
+        metric.reset()  # must still create normal tensors
+        metric.update(w, q, k, valid_q, valid_k)
+    metric.update(w.clone(), q.clone(), k.clone(), valid_q.clone(), valid_k.clone())
+    assert int(metric.query_count.sum()) == 2 * 2 * 4
+
+
+def test_accumulator_rejects_bad_sizes():
+    import pytest
+
+    with pytest.raises(ValueError, match="`query_vocab_size` to be a positive integer, but got 0"):
+        AttentionAccumulator(1, 0, 3)
