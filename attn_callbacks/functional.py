@@ -17,16 +17,31 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "POSITION_STATS",
     "accumulate_attention",
     "asymmetry_index",
+    "attention_drift",
     "attention_mass",
+    "in_degree",
+    "js_divergence",
+    "lift",
     "mean_weight",
+    "moved_tokens",
     "one_way_pairs",
+    "pagerank",
     "pairwise_asymmetry",
+    "position_statistics",
     "row_entropy",
     "safe_divide",
+    "sink_mass",
+    "top_pairs",
     "top_tokens",
 ]
+
+#: Rows of the ``position_sums`` state, each a per-head sum over valid query rows ``i`` (weights ``w`` restricted to
+#: valid keys ``j``): row entropy ``-Σ_j w log w``; its maximum ``log #visible keys``; mass on ``j = i``, ``j = i - 1``,
+#: ``j = i + 1``; attention distance ``Σ_j w |i - j|``.
+POSITION_STATS = ("entropy", "max_entropy", "self", "previous", "next", "distance")
 
 
 def accumulate_attention(
@@ -38,6 +53,9 @@ def accumulate_attention(
     key_ids: Tensor,
     query_valid: Tensor,
     key_valid: Tensor,
+    *,
+    uniform_sum: Tensor | None = None,
+    position_sums: Tensor | None = None,
 ) -> Tensor:
     """Scatter-add one batch of attention weights into the running sums, in place, without a host sync.
 
@@ -54,6 +72,12 @@ def accumulate_attention(
         key_ids: ``(B, Lk)`` integer token ids of the key positions.
         query_valid: ``(B, Lq)`` bool, False for query positions to ignore (padding). Ids there may be anything.
         key_valid: ``(B, Lk)`` bool, False for key positions to ignore.
+        uniform_sum: optional ``(Vq, Vk)`` floating accumulator of the uniform baseline
+            ``U[a, b] += Σ 1 / #visible(i)`` over valid query positions ``i`` holding ``a`` and visible keys ``j``
+            holding ``b``. A key is *visible* to a query when it is valid and at least one head gives it a non-zero
+            weight: masked keys (padding, causal, any ``attn_mask``) get exactly 0 from the softmax.
+        position_sums: optional ``(len(POSITION_STATS), H)`` floating accumulator of the position-level sums listed
+            in :data:`POSITION_STATS`.
 
     Returns:
         A 0-dim int64 tensor on the weights' device: the number of valid query rows dropped for non-finite weights.
@@ -84,6 +108,29 @@ def accumulate_attention(
     attention_sum.view(num_heads, vocab_q * vocab_k).index_add_(1, flat_pair, per_head)
     pair_count.view(-1).index_add_(0, flat_pair, pair_valid.reshape(-1).to(pair_count.dtype))
     query_count.index_add_(0, q.reshape(-1), rows.reshape(-1).to(query_count.dtype))
+    if uniform_sum is None and position_sums is None:
+        return skipped
+
+    visible = pair_valid & (masked > 0).any(dim=1)  # (B, Lq, Lk)
+    num_visible = visible.sum(dim=-1, keepdim=True)  # (B, Lq, 1)
+    if uniform_sum is not None:
+        uniform = visible / num_visible.clamp(min=1)  # (B, Lq, Lk): 1 / #visible on each visible key
+        uniform_sum.view(-1).index_add_(0, flat_pair, uniform.reshape(-1).to(uniform_sum.dtype))
+    if position_sums is not None:
+        len_q, len_k = weights.shape[-2:]
+        positions_q = torch.arange(len_q, device=weights.device)
+        distance = (positions_q[:, None] - torch.arange(len_k, device=weights.device)[None, :]).abs()  # (Lq, Lk)
+        max_entropy = torch.log(num_visible.clamp(min=1).to(masked.dtype)).sum()  # dropped rows have 0 visible
+        position_sums += torch.stack(
+            [
+                -torch.special.xlogy(masked, masked).sum(dim=(0, 2, 3)),
+                max_entropy.expand(num_heads),
+                masked.diagonal(0, -2, -1).sum(dim=(0, 2)),  # w[i, i]
+                masked.diagonal(-1, -2, -1).sum(dim=(0, 2)),  # w[i, i - 1]
+                masked.diagonal(1, -2, -1).sum(dim=(0, 2)),  # w[i, i + 1]
+                (masked * distance).sum(dim=(0, 2, 3)),
+            ]
+        ).to(position_sums.dtype)
     return skipped
 
 
@@ -216,3 +263,229 @@ def top_tokens(counts: Tensor, k: int) -> Tensor:
     """Ids of the ``k`` most frequent tokens with a non-zero count, most frequent first (ties: smaller id first)."""
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[: min(k, int((counts > 0).sum()))]
+
+
+def top_pairs(score: Tensor, pair_count: Tensor, k: int, min_support: int = 1) -> list[tuple[int, int, float]]:
+    """The ``k`` pairs ``(a, b)`` with the largest ``score[a, b]`` among pairs seen ``C[a, b] >= min_support`` times.
+
+    Args:
+        score: ``(Vq, Vk)``, e.g. the lift.
+        pair_count: ``(Vq, Vk)`` pair counts.
+        k: how many pairs to return.
+        min_support: the minimum pair count.
+
+    Returns:
+        Up to ``k`` tuples ``(a, b, score[a, b])``, largest first (ties: smaller flat index first).
+    """
+    flat = torch.where(pair_count >= min_support, score, float("-inf")).reshape(-1)
+    order = torch.sort(flat, descending=True, stable=True).indices
+    order = order[torch.isfinite(flat[order])][:k]
+    size = score.shape[-1]
+    return [(int(i) // size, int(i) % size, float(flat[i])) for i in order.tolist()]
+
+
+def lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
+    """Lift over the uniform baseline ``L[..., a, b] = S[..., a, b] / U[a, b]``, 0 where ``U[a, b] = 0``.
+
+    ``U[a, b]`` is the mass that uniform attention over the same visible keys would have given (see
+    :func:`accumulate_attention`), so ``L = 3`` reads "a attends to b three times more than chance". Because ``U``
+    counts only visible keys, causal and padded models are compared fairly. Pass the head-averaged sum
+    ``mean_h S[h]`` for the layer's lift, or ``S`` for per-head lifts (the baseline does not depend on the head).
+
+    Args:
+        attention_sum: ``(..., Vq, Vk)``.
+        uniform_sum: ``(Vq, Vk)``.
+
+    Returns:
+        ``(..., Vq, Vk)``.
+
+    Example:
+        >>> lift(torch.tensor([[0.9, 0.1]]), torch.tensor([[0.5, 0.5]]))
+        tensor([[1.8000, 0.2000]])
+    """
+    return safe_divide(attention_sum, uniform_sum)
+
+
+def js_divergence(p: Tensor, q: Tensor) -> Tensor:
+    """Jensen–Shannon divergence in nats between the rows of ``p`` and ``q``, each row renormalised to sum to 1.
+
+    ``JS(p, q) = ½ KL(p ‖ m) + ½ KL(q ‖ m)`` with ``m = (p + q) / 2``; in ``[0, log 2]``. A row that is all zero is
+    treated as equal to anything (0), so an unseen token does not count as drift.
+
+    Args:
+        p: ``(..., V)`` non-negative.
+        q: ``(..., V)`` non-negative, same shape.
+
+    Returns:
+        ``(...)``.
+
+    Example:
+        >>> float(js_divergence(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])))  # disjoint: log 2
+        0.6931471824645996
+    """
+    p = safe_divide(p, p.sum(dim=-1, keepdim=True))
+    q = safe_divide(q, q.sum(dim=-1, keepdim=True))
+    m = (p + q) / 2
+    kl_p = (torch.special.xlogy(p, p) - torch.special.xlogy(p, m)).sum(dim=-1)
+    kl_q = (torch.special.xlogy(q, q) - torch.special.xlogy(q, m)).sum(dim=-1)
+    both = (p.sum(dim=-1) > 0) & (q.sum(dim=-1) > 0)
+    return torch.where(both, (kl_p + kl_q) / 2, torch.zeros_like(kl_p)).clamp(min=0)
+
+
+def _supported_rows(current_count: Tensor, reference_count: Tensor, min_support: int) -> Tensor:
+    return (current_count >= min_support) & (reference_count >= min_support)
+
+
+def attention_drift(
+    current: Tensor, reference: Tensor, current_count: Tensor, reference_count: Tensor, min_support: int = 1
+) -> tuple[Tensor, Tensor]:
+    """Drift of the attention mass between two epochs: weighted row Jensen–Shannon and relative Frobenius change.
+
+    - ``js = Σ_a w[a] JS(P_t[a, :], P_s[a, :]) / Σ_a w[a]`` with ``w[a] = Q_t[a]`` for query tokens seen at least
+      ``min_support`` times in both epochs (0 otherwise), in nats, ``[0, log 2]``;
+    - ``frobenius = ‖P_t - P_s‖_F / ‖P_s‖_F`` over the whole matrix (0 when ``P_s = 0``).
+
+    Args:
+        current: ``P_t``, ``(..., Vq, Vk)``.
+        reference: ``P_s``, same shape.
+        current_count: ``Q_t``, ``(Vq,)``.
+        reference_count: ``Q_s``, ``(Vq,)``.
+        min_support: the minimum query count, in both epochs, for a row to count.
+
+    Returns:
+        ``(js, frobenius)``, each ``(...)``.
+    """
+    weights = (current_count * _supported_rows(current_count, reference_count, min_support)).to(current.dtype)
+    js = safe_divide((js_divergence(current, reference) * weights).sum(dim=-1), weights.sum())
+    frobenius = safe_divide(
+        torch.linalg.matrix_norm(current - reference), torch.linalg.matrix_norm(reference.to(current.dtype))
+    )
+    return js, frobenius
+
+
+def moved_tokens(
+    current: Tensor, reference: Tensor, current_count: Tensor, reference_count: Tensor, k: int, min_support: int = 1
+) -> list[tuple[int, float]]:
+    """The ``k`` query tokens whose attention row moved most, by ``JS(P_t[a, :], P_s[a, :])`` (nats).
+
+    Only tokens seen at least ``min_support`` times in both epochs count.
+
+    Args:
+        current: ``P_t``, ``(Vq, Vk)``.
+        reference: ``P_s``, ``(Vq, Vk)``.
+        current_count: ``Q_t``, ``(Vq,)``.
+        reference_count: ``Q_s``, ``(Vq,)``.
+        k: how many tokens to return.
+        min_support: minimum query count in both epochs.
+
+    Returns:
+        Up to ``k`` tuples ``(a, JS)``, largest first (ties: smaller id first).
+    """
+    score = torch.where(
+        _supported_rows(current_count, reference_count, min_support),
+        js_divergence(current, reference),
+        float("-inf"),
+    )
+    order = torch.sort(score, descending=True, stable=True).indices
+    order = order[torch.isfinite(score[order])][:k]
+    return [(int(a), float(score[a])) for a in order.tolist()]
+
+
+def position_statistics(position_sums: Tensor, query_count: Tensor) -> dict[str, Tensor]:
+    """Per-head position-level statistics from the ``position_sums`` state, averaged over query rows.
+
+    With ``R = Σ_a Q[a]`` valid query rows and the per-head sums of :data:`POSITION_STATS`:
+
+    - ``entropy = Σ_i H_i / R``, the mean row entropy in nats, ``H_i = -Σ_j w_ij log w_ij``;
+    - ``entropy_normalized = Σ_i H_i / Σ_i log n_i`` with ``n_i`` the visible keys of row ``i``: 1 = uniform over
+      what the query could see, 0 = one key only (rows with one visible key add 0 to both sums);
+    - ``self``, ``previous``, ``next``: mean mass on key position ``j = i``, ``i - 1``, ``i + 1``;
+    - ``distance = Σ_i Σ_j w_ij |i - j| / R``, the mean attention distance in positions.
+
+    Args:
+        position_sums: ``(len(POSITION_STATS), H)``.
+        query_count: ``(Vq,)``.
+
+    Returns:
+        name -> ``(H,)`` tensor.
+    """
+    rows = query_count.sum().to(position_sums.dtype)
+    stats = dict(zip(POSITION_STATS, position_sums, strict=True))
+    return {
+        "entropy": safe_divide(stats["entropy"], rows),
+        "entropy_normalized": safe_divide(stats["entropy"], stats["max_entropy"]),
+        "self": safe_divide(stats["self"], rows),
+        "previous": safe_divide(stats["previous"], rows),
+        "next": safe_divide(stats["next"], rows),
+        "distance": safe_divide(stats["distance"], rows),
+    }
+
+
+def sink_mass(attention_sum: Tensor, query_count: Tensor, sink_ids: Tensor) -> Tensor:
+    """Share of all attention that lands on the key tokens ``sink_ids``: ``Σ_a Σ_{b ∈ sinks} S[..., a, b] / Σ_a Q[a]``.
+
+    1 means every query puts all its attention on special tokens ([CLS], [SEP], BOS ...).
+
+    Args:
+        attention_sum: ``(..., Vq, Vk)``.
+        query_count: ``(Vq,)``.
+        sink_ids: 1-D integer tensor of key-vocabulary ids.
+
+    Returns:
+        ``(...)``.
+    """
+    return safe_divide(attention_sum[..., sink_ids].sum(dim=(-1, -2)), query_count.sum())
+
+
+def in_degree(attention_sum: Tensor, query_count: Tensor) -> Tensor:
+    """Weighted in-degree of each key token: its share of all attention, ``Σ_a S[..., a, b] / Σ_a Q[a]``.
+
+    Sums to 1 over the key vocabulary (less mass on ignored keys). A token with a large in-degree is an attention
+    hub: many queries look at it.
+
+    Args:
+        attention_sum: ``(..., Vq, Vk)``.
+        query_count: ``(Vq,)``.
+
+    Returns:
+        ``(..., Vk)``.
+    """
+    return safe_divide(attention_sum.sum(dim=-2), query_count.sum())
+
+
+def pagerank(matrix: Tensor, damping: float = 0.85, tol: float = 1e-10, max_iter: int = 1000) -> Tensor:
+    """PageRank of the directed graph whose edge ``a → b`` has weight ``P[a, b]`` (query ``a`` attends to key ``b``).
+
+    The stationary distribution ``π = (1 - d) / V + d · π T`` of the random walk that follows attention with
+    probability ``d`` (row-normalised ``T = P / P.sum(1)``; a token with no outgoing attention jumps uniformly) and
+    restarts uniformly otherwise. Large ``π[b]``: attention flows to ``b`` from tokens that themselves receive much.
+
+    Args:
+        matrix: ``(V, V)`` non-negative.
+        damping: ``d`` in ``[0, 1)``.
+        tol: stop when the L1 change is below this.
+        max_iter: iteration cap.
+
+    Returns:
+        ``(V,)`` float64, sums to 1.
+
+    Example:
+        >>> pagerank(torch.tensor([[0.0, 1.0], [0.0, 1.0]]), damping=0.5).tolist()  # everyone looks at token 1
+        [0.25, 0.75]
+    """
+    size = matrix.shape[-1]
+    if matrix.dim() != 2 or matrix.shape[0] != size:
+        raise ValueError(f"Expected a square (V, V) matrix for PageRank, but got shape {tuple(matrix.shape)}")
+    if not 0 <= damping < 1:
+        raise ValueError(f"Expected argument `damping` to be in [0, 1), but got {damping!r}")
+    transition = matrix.double()
+    out = transition.sum(dim=1, keepdim=True)
+    transition = torch.where(out > 0, safe_divide(transition, out), torch.full_like(transition, 1.0 / size))
+    rank = torch.full((size,), 1.0 / size, dtype=torch.float64, device=matrix.device)
+    for _ in range(max_iter):
+        new = (1 - damping) / size + damping * (rank @ transition)
+        done = float((new - rank).abs().sum()) < tol
+        rank = new
+        if done:
+            break
+    return rank / rank.sum()

@@ -23,6 +23,10 @@ class AttentionStats(NamedTuple):
         skipped_rows: number of valid query rows dropped because their weights were not finite (0-dim int64).
         attention_mass: ``P = S / Q[:, None]`` per head, ``(H, Vq, Vk)``.
         mean_weight: ``M = S / C`` per head, ``(H, Vq, Vk)``.
+        uniform_sum: ``U``, the uniform-attention baseline, ``(Vq, Vk)`` float32 (see
+            :func:`attn_callbacks.functional.lift`).
+        position_sums: ``(len(POSITION_STATS), H)`` float32 position-level sums (see
+            :func:`attn_callbacks.functional.position_statistics`).
     """
 
     attention_sum: Tensor
@@ -31,13 +35,16 @@ class AttentionStats(NamedTuple):
     skipped_rows: Tensor
     attention_mass: Tensor
     mean_weight: Tensor
+    uniform_sum: Tensor
+    position_sums: Tensor
 
 
 class AttentionAccumulator(Metric):
     """Running vocabulary × vocabulary attention sums for one attention module.
 
     States (all ``dist_reduce_fx="sum"``, so DDP ranks add up): ``attention_sum (H, Vq, Vk)``,
-    ``pair_count (Vq, Vk)``, ``query_count (Vq,)`` and ``skipped_rows``. Updates are one vectorised scatter-add per
+    ``pair_count (Vq, Vk)``, ``query_count (Vq,)``, ``skipped_rows``, the uniform baseline ``uniform_sum (Vq, Vk)`` and
+    the position-level ``position_sums (len(POSITION_STATS), H)``. Updates are one vectorised scatter-add per
     state, with no host sync. Division happens only in :meth:`compute`.
 
     Args:
@@ -62,6 +69,8 @@ class AttentionAccumulator(Metric):
     pair_count: Tensor
     query_count: Tensor
     skipped_rows: Tensor
+    uniform_sum: Tensor
+    position_sums: Tensor
 
     def __init__(self, num_heads: int, query_vocab_size: int, key_vocab_size: int, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -81,6 +90,9 @@ class AttentionAccumulator(Metric):
             self.add_state("pair_count", torch.zeros(query_vocab_size, key_vocab_size, dtype=torch.long), "sum")
             self.add_state("query_count", torch.zeros(query_vocab_size, dtype=torch.long), "sum")
             self.add_state("skipped_rows", torch.zeros((), dtype=torch.long), "sum")
+            self.add_state("uniform_sum", torch.zeros(query_vocab_size, key_vocab_size), "sum")
+            # float32 like the other sums: float64 states would not move to MPS devices.
+            self.add_state("position_sums", torch.zeros(len(F.POSITION_STATS), num_heads), "sum")
 
     def update(
         self, weights: Tensor, query_ids: Tensor, key_ids: Tensor, query_valid: Tensor, key_valid: Tensor
@@ -95,6 +107,8 @@ class AttentionAccumulator(Metric):
             key_ids,
             query_valid,
             key_valid,
+            uniform_sum=self.uniform_sum,
+            position_sums=self.position_sums,
         )
         self.skipped_rows += skipped
 
@@ -107,6 +121,8 @@ class AttentionAccumulator(Metric):
             skipped_rows=self.skipped_rows,
             attention_mass=F.attention_mass(self.attention_sum, self.query_count),
             mean_weight=F.mean_weight(self.attention_sum, self.pair_count),
+            uniform_sum=self.uniform_sum,
+            position_sums=self.position_sums,
         )
 
     def reset(self) -> None:
