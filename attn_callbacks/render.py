@@ -17,8 +17,13 @@ TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | None
 _MAX_LABEL = 14
 
 
-def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None) -> list[str]:
-    """Readable tick labels for token ids: from a list, dict or callable, else the id itself; long ones trimmed.
+def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length: int | None = _MAX_LABEL) -> list[str]:
+    """Readable labels for token ids: from a list, dict or callable, else the id itself.
+
+    Args:
+        ids: token ids.
+        id_to_token: a list, dict or callable id -> str; ids are used where it has no entry (or when None).
+        max_length: longer labels are trimmed to this many characters, ending in "…"; None keeps them whole.
 
     Example:
         >>> label_tokens([0, 2], ["<pad>", "the", "a-very-long-word-piece"])
@@ -35,7 +40,7 @@ def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None) -> list[st
         else:
             text = str(id_to_token[token]) if 0 <= token < len(id_to_token) else str(token)
         text = text.replace("\n", "\\n") or repr(text)
-        labels.append(text if len(text) <= _MAX_LABEL else text[: _MAX_LABEL - 1] + "…")
+        labels.append(text if max_length is None or len(text) <= max_length else text[: max_length - 1] + "…")
     return labels
 
 
