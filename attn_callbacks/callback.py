@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -28,6 +30,8 @@ from attn_callbacks.tokens import (
 
 __all__ = ["AttentionMonitor"]
 
+_STATE_VERSION = 1
+
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -36,27 +40,34 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+def _int_list(name: str, value: Any) -> list[int]:
+    if isinstance(value, (int, str)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ValueError(f"Expected argument `{name}` to be a sequence of integers, but got {value!r}")
+    return sorted(set(value))
+
+
 class AttentionMonitor(Callback):
-    r"""Log which vocabulary items attend to which, per attention layer and head, every validation epoch.
+    r"""Log which vocabulary items attend to which, per attention layer and head, and how that drifts over epochs.
 
     During validation it hooks every selected ``torch.nn.MultiheadAttention`` of the LightningModule (stock
     ``nn.Transformer*`` layers included), maps each attention weight to the (query token id, key token id) pair it
-    connects and accumulates, on the module's device, per module (see the glossary in the README):
+    connects and accumulates, on the module's device, per module (see the glossary in the README): the attention sum
+    ``S[h, a, b]``, pair count ``C[a, b]``, query count ``Q[a]``, the uniform baseline ``U[a, b]`` (the mass uniform
+    attention over the same visible keys would give) and position-level sums.
 
-    - ``S[h, a, b]``: attention sum; ``C[a, b]``: pair count; ``Q[a]``: query count.
+    At the end of each monitored validation epoch it computes the attention mass ``P = S / Q[:, None]`` per head and
+    head-averaged ``P̄ = mean_h P[h]``, and logs (``{layer}`` is the module name, ``/head_{h}`` variants with
+    ``per_head``; the README has the full table):
 
-    At the end of each logged validation epoch it computes, per module, the attention mass ``P = S / Q[:, None]``
-    (per head, and head-averaged ``P̄ = mean_h P[h]``), and logs
-
-    - scalars (through ``LightningModule.log``, so every logger gets them):
-      ``{prefix}_asymmetry/{layer}`` = ``sqrt(1 - <P̄, P̄ᵀ> / <P̄, P̄>)`` (self-attention only; ``/head_{h}`` per head),
-      ``{prefix}_entropy/{layer}`` = ``Σ_a Q[a] H(P̄[a, :]) / Σ_a Q[a]`` in nats (``/head_{h}`` per head),
-      ``{prefix}_skipped_rows/{layer}`` = query rows dropped for non-finite weights;
-    - images (TensorBoard only): ``{prefix}_mass/{layer}``, the heatmap of ``P̄`` over the ``top_k`` most frequent
-      query and key tokens; ``{prefix}_mass_heads/{layer}``, one heatmap per head; ``{prefix}_asymmetry_map/{layer}``,
-      ``P̄ - P̄ᵀ`` (self-attention only);
-    - text (TensorBoard only): ``{prefix}_one_way_pairs/{layer}``, the pairs with the largest
-      ``(P̄[a, b] - P̄[b, a]) / (P̄[a, b] + P̄[b, a])`` seen at least ``min_support`` times both ways.
+    - scalars through ``LightningModule.log`` (every logger): ``{prefix}_asymmetry`` ``sqrt(1 - <P̄, P̄ᵀ> / <P̄, P̄>)``
+      (self-attention), ``{prefix}_entropy`` (row entropy of ``P̄`` over the key vocabulary), ``{prefix}_lift``
+      (attention-weighted geometric mean of ``S / U``), ``{prefix}_position/{stat}`` (entropy, normalised entropy,
+      self / previous / next mass, distance, sink mass), ``{prefix}_drift/{js,frobenius}_{prev,ref}`` (weighted row
+      Jensen–Shannon divergence and relative Frobenius change of ``P`` against the previous and the reference
+      monitored epoch) and ``{prefix}_skipped_rows``;
+    - images and text (TensorBoard only): heatmaps of ``P̄`` (``mass``), per head (``mass_heads``), ``P̄ - P̄ᵀ``
+      (``asymmetry_map``), ``log2 lift`` (``lift_map``), ``P̄_t - P̄_ref`` (``drift_map``), probe position × position
+      maps (``probe``); tables of one-way pairs, top-lift pairs, most-moved tokens and attention hubs (PageRank).
 
     Args:
         vocab_size: vocabulary size, or a mapping stream name -> size when streams use different vocabularies.
@@ -73,12 +84,27 @@ class AttentionMonitor(Callback):
         batch_first: layout of the token id tensors in the batch: ``(B, L)`` when True, ``(L, B)`` when False.
         top_k: how many of the most frequent query and key tokens the heatmaps show.
         per_head: also log per-head scalars and the per-head heatmap grid.
-        num_pairs: rows of the one-way pairs table.
-        min_support: minimum pair count, both ways, for a pair to enter the one-way table.
+        num_pairs: rows of the text tables (one-way pairs, lift pairs, moved tokens, hubs).
+        min_support: the least evidence a table or drift row needs: pair count both ways for one-way pairs, pair
+            count for lift pairs, query count in both epochs for a row of the drift.
         log_every_n_epochs: monitor validation epochs 0, n, 2n, ... (other epochs are not hooked at all).
-        log_sanity_check: also monitor Lightning's sanity-check validation pass.
+        log_sanity_check: also monitor Lightning's sanity-check validation pass (it never becomes a drift epoch).
         validate_args: check token id ranges every batch (one host sync per stream and batch); turn off for speed.
         prefix: the first part of every logged tag.
+        drift_reference_epoch: the monitored epoch that drift ``..._ref`` compares against; the first monitored epoch
+            when None.
+        sink_ids: key-vocabulary ids of special tokens ([CLS], [SEP], BOS ...) whose share of attention is logged as
+            ``sink_mass``; a sequence for every key stream, or a mapping stream name -> sequence.
+        entropy_collapse_threshold: warn once per head when its normalised entropy falls below this (0 disables).
+        probe: ``"first"`` freezes the first samples of validation batch 0 at the first monitored epoch and logs
+            their position × position attention every epoch (taken from the normal validation pass: the validation
+            loader must not shuffle); or a batch of your own, run through ``probe_forward``; None for no probe.
+        probe_forward: ``fn(pl_module, batch)`` running the model on a probe batch given in ``probe`` (its output is
+            ignored; nothing is logged or accumulated from it except the probe maps).
+        probe_samples: how many samples of the probe batch to draw.
+        export: also save the raw sums and counts of every monitored epoch as ``"pt"`` or ``"npz"`` files (read them
+            back with :func:`attn_callbacks.load_epoch`); None to save nothing.
+        export_dir: where the files go; ``{logger log_dir}/attention_epochs`` when None.
 
     Example:
         >>> monitor = AttentionMonitor(vocab_size=100, token_ids="input_ids", ignore_ids=[0])
@@ -102,6 +128,14 @@ class AttentionMonitor(Callback):
         log_sanity_check: bool = False,
         validate_args: bool = True,
         prefix: str = "attention",
+        drift_reference_epoch: int | None = None,
+        sink_ids: Sequence[int] | dict[str, Sequence[int]] = (),
+        entropy_collapse_threshold: float = 0.05,
+        probe: Literal["first"] | Any | None = None,
+        probe_forward: Callable[[LightningModule, Any], Any] | None = None,
+        probe_samples: int = 1,
+        export: Literal["pt", "npz"] | None = None,
+        export_dir: str | None = None,
     ) -> None:
         self._getters = stream_getters(token_ids)
         self._vocab = resolve_vocab_sizes(vocab_size, list(self._getters))
@@ -114,11 +148,7 @@ class AttentionMonitor(Callback):
             raise ValueError(f"Expected argument `modules` to be a list of fnmatch patterns, but got {modules!r}")
         self.modules = None if modules is None else list(modules)
         self.attention_streams = dict(attention_streams) if attention_streams else None
-        if isinstance(ignore_ids, (int, str)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ignore_ids
-        ):
-            raise ValueError(f"Expected argument `ignore_ids` to be a sequence of integers, but got {ignore_ids!r}")
-        self.ignore_ids = sorted(set(ignore_ids))
+        self.ignore_ids = _int_list("ignore_ids", ignore_ids)
         self.batch_first = bool(batch_first)
         self.top_k = _positive_int("top_k", top_k)
         self.per_head = bool(per_head)
@@ -130,6 +160,37 @@ class AttentionMonitor(Callback):
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"Expected argument `prefix` to be a non-empty string, but got {prefix!r}")
         self.prefix = prefix
+        if drift_reference_epoch is not None:
+            _positive_int("drift_reference_epoch", drift_reference_epoch, minimum=0)
+        self.drift_reference_epoch = drift_reference_epoch
+        self._sinks = self._resolve_sinks(sink_ids, streams)
+        if isinstance(entropy_collapse_threshold, bool) or not (
+            isinstance(entropy_collapse_threshold, (int, float)) and 0 <= entropy_collapse_threshold <= 1
+        ):
+            raise ValueError(
+                "Expected argument `entropy_collapse_threshold` to be in [0, 1], but got "
+                f"{entropy_collapse_threshold!r}"
+            )
+        self.entropy_collapse_threshold = float(entropy_collapse_threshold)
+        if isinstance(probe, str) and probe != "first":
+            raise ValueError(f"Expected argument `probe` to be 'first', a batch or None, but got {probe!r}")
+        if probe == "first" and probe_forward is not None:
+            raise ValueError(
+                "Argument `probe_forward` runs a probe batch you give in `probe`; with probe='first' the probe is read "
+                "from the normal validation pass, so leave `probe_forward` as None"
+            )
+        if probe is not None and probe != "first" and not callable(probe_forward):
+            raise ValueError(
+                "A probe batch given in argument `probe` needs argument `probe_forward`, a callable "
+                f"(pl_module, batch) that runs the model on it; got probe_forward={probe_forward!r}"
+            )
+        self.probe = probe
+        self.probe_forward = probe_forward
+        self.probe_samples = _positive_int("probe_samples", probe_samples)
+        if export not in (None, "pt", "npz"):
+            raise ValueError(f"Expected argument `export` to be 'pt', 'npz' or None, but got {export!r}")
+        self.export = export
+        self.export_dir = export_dir
 
         self._attention: dict[str, nn.MultiheadAttention] = {}
         self._streams_of: dict[str, tuple[str, str]] = {}
@@ -138,6 +199,29 @@ class AttentionMonitor(Callback):
         self._batch: Any = None
         self._batch_ids: dict[str, tuple[Tensor, Tensor]] = {}
         self._warned: set[str] = set()
+        # Drift memory, carried by state_dict: module -> {"attention_mass": (H, Vq, Vk), "query_count": (Vq,)} on CPU.
+        self._previous: dict[str, dict[str, Tensor]] = {}
+        self._reference: dict[str, dict[str, Tensor]] = {}
+        self._previous_epoch: int | None = None
+        self._reference_epoch: int | None = None
+        # Probe: frozen ids per stream (probe_samples, L) on CPU; this epoch's weights per module (n, H, Lq, Lk).
+        self._probe_ids: dict[str, Tensor] | None = None
+        self._probe_weights: dict[str, Tensor] = {}
+        self._probe_capturing = False  # the current batch is the probe: copy its weights
+        self._probe_only = False  # running probe_forward: copy weights, do not accumulate
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix, modules=self.modules)
+
+    @staticmethod
+    def _resolve_sinks(sink_ids: Any, streams: list[str]) -> dict[str, list[int]]:
+        if isinstance(sink_ids, Mapping):
+            unknown = [s for s in sink_ids if s not in streams]
+            if unknown:
+                raise ValueError(f"Argument `sink_ids` names unknown stream(s) {unknown}; streams: {streams}")
+            return {s: _int_list("sink_ids", ids) for s, ids in sink_ids.items()}
+        return dict.fromkeys(streams, _int_list("sink_ids", sink_ids))
 
     # ----------------------------------------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -149,6 +233,13 @@ class AttentionMonitor(Callback):
             )
         except ValueError as err:
             raise MisconfigurationException(f"AttentionMonitor: {err}") from err
+        for stream, ids in self._sinks.items():
+            bad = [i for i in ids if not 0 <= i < self._vocab[stream]]
+            if bad:
+                raise MisconfigurationException(
+                    f"AttentionMonitor: argument `sink_ids` has id(s) {bad} outside the vocabulary "
+                    f"[0, {self._vocab[stream]}) of stream {stream!r}"
+                )
         self._capture = AttentionCapture(self._attention, self._consume)
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -164,6 +255,7 @@ class AttentionMonitor(Callback):
                     self._metrics[name] = metric
                 metric.to(device)
                 metric.reset()
+        self._probe_weights.clear()
         self._capture.attach()
 
     def on_validation_batch_start(
@@ -171,10 +263,12 @@ class AttentionMonitor(Callback):
     ) -> None:
         self._batch = batch
         self._batch_ids.clear()
+        self._probe_capturing = False
         if self._capture is not None and self._capture.attached:
             # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
-            for stream in dict.fromkeys(s for pair in self._streams_of.values() for s in pair):
-                self._stream_ids(stream, pl_module.device)
+            ids = {stream: self._stream_ids(stream, pl_module.device)[0] for stream in self._used_streams()}
+            if self.probe == "first" and batch_idx == 0 and dataloader_idx == 0 and not trainer.sanity_checking:
+                self._probe_capturing = self._match_probe(ids)
 
     def on_validation_batch_end(
         self,
@@ -187,11 +281,16 @@ class AttentionMonitor(Callback):
     ) -> None:
         self._batch = None
         self._batch_ids.clear()
+        self._probe_capturing = False
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._capture is None or not self._capture.attached:
             return
-        self._release()
+        try:
+            if self.probe is not None and self.probe != "first" and not trainer.sanity_checking:
+                self._run_probe(pl_module)
+        finally:
+            self._release()
         writer = _tensorboard_writer(trainer)
         if writer is None and trainer.is_global_zero:
             self._warn_once(
@@ -199,10 +298,20 @@ class AttentionMonitor(Callback):
                 "AttentionMonitor: no TensorBoardLogger in the Trainer, so heatmaps and tables are "
                 "skipped; scalars are still logged to the Trainer's loggers.",
             )
-        for name, metric in self._metrics.items():
-            stats = metric.compute()  # a collective under DDP: every rank calls it
-            self._log_module(pl_module, name, stats, writer if trainer.is_global_zero else None, trainer.global_step)
+        drift_epoch = not trainer.sanity_checking
+        epoch = trainer.current_epoch
+        all_stats = {name: metric.compute() for name, metric in self._metrics.items()}  # a collective under DDP
+        for name, stats in all_stats.items():
+            self._log_module(
+                pl_module, name, stats, writer if trainer.is_global_zero else None, trainer.global_step, drift_epoch
+            )
+        if drift_epoch:
+            if self.export is not None and trainer.is_global_zero:
+                self._export(trainer, all_stats)
+            self._remember(all_stats, epoch)
+        for metric in self._metrics.values():
             metric.reset()
+        self._probe_weights.clear()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._release()
@@ -212,17 +321,45 @@ class AttentionMonitor(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What drift and the probe need to carry on after a resume: previous and reference ``P`` (per head) with
+        their query counts, their epochs, and the frozen probe ids. Tensors only, so checkpoints load with
+        ``weights_only=True``; size ``Σ_modules 2 · (H · Vq · Vk + Vq) · 4`` bytes, plus the probe ids."""
+        return {
+            "version": _STATE_VERSION,
+            "previous_epoch": self._previous_epoch,
+            "reference_epoch": self._reference_epoch,
+            "previous": self._previous,
+            "reference": self._reference,
+            "probe_ids": self._probe_ids,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"AttentionMonitor: checkpoint state version {state_dict.get('version')!r} is not {_STATE_VERSION}"
+            )
+        self._previous_epoch = state_dict["previous_epoch"]
+        self._reference_epoch = state_dict["reference_epoch"]
+        self._previous = state_dict["previous"]
+        self._reference = state_dict["reference"]
+        self._probe_ids = state_dict["probe_ids"]
+
     # ----------------------------------------------------------------------------------------------------- internals
     def _monitored(self, trainer: Trainer) -> bool:
         if trainer.sanity_checking:
             return self.log_sanity_check
         return trainer.current_epoch % self.log_every_n_epochs == 0
 
+    def _used_streams(self) -> list[str]:
+        return list(dict.fromkeys(s for pair in self._streams_of.values() for s in pair))
+
     def _release(self) -> None:
         if self._capture is not None:
             self._capture.detach()
         self._batch = None
         self._batch_ids.clear()
+        self._probe_capturing = self._probe_only = False
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -233,15 +370,46 @@ class AttentionMonitor(Callback):
         """(ids, valid) of one stream of the current batch, read once per batch."""
         if stream not in self._batch_ids:
             ids = read_stream(self._batch, stream, self._getters[stream], self.batch_first).to(device)
-            valid = (
-                ~torch.isin(ids, torch.tensor(self.ignore_ids, device=device, dtype=ids.dtype))
-                if self.ignore_ids
-                else torch.ones_like(ids, dtype=torch.bool)
-            )
             if self.validate_args:
-                check_ids_in_range(ids, valid, self._vocab[stream], stream)
-            self._batch_ids[stream] = (ids, valid)
+                check_ids_in_range(ids, self._valid(ids), self._vocab[stream], stream)
+            self._batch_ids[stream] = (ids, self._valid(ids))
         return self._batch_ids[stream]
+
+    def _valid(self, ids: Tensor) -> Tensor:
+        if not self.ignore_ids:
+            return torch.ones_like(ids, dtype=torch.bool)
+        return ~torch.isin(ids, torch.tensor(self.ignore_ids, device=ids.device, dtype=ids.dtype))
+
+    def _match_probe(self, ids: dict[str, Tensor]) -> bool:
+        """Freeze the probe at its first sight; afterwards, whether batch 0 still starts with the same samples."""
+        head = {stream: t[: self.probe_samples].detach().cpu() for stream, t in ids.items()}
+        if self._probe_ids is None:
+            self._probe_ids = {stream: t.clone() for stream, t in head.items()}
+            return True
+        same = head.keys() == self._probe_ids.keys() and all(torch.equal(head[s], self._probe_ids[s]) for s in head)
+        if not same:
+            self._warn_once(
+                "probe_moved",
+                "AttentionMonitor: validation batch 0 no longer starts with the frozen probe samples (a shuffled "
+                "validation loader?), so probe maps are skipped for such epochs; give a batch in `probe` with "
+                "`probe_forward` instead.",
+            )
+        return same
+
+    def _run_probe(self, pl_module: LightningModule) -> None:
+        """Run ``probe_forward`` on the user's probe batch with the hooks attached, keeping only the probe weights."""
+        self._batch = move_data_to_device(self.probe, pl_module.device)
+        self._batch_ids.clear()
+        ids = {stream: self._stream_ids(stream, pl_module.device)[0] for stream in self._used_streams()}
+        self._probe_ids = {stream: t[: self.probe_samples].detach().cpu() for stream, t in ids.items()}
+        self._probe_only = True
+        try:
+            with torch.no_grad():
+                self.probe_forward(pl_module, self._batch)
+        finally:
+            self._probe_only = False
+            self._batch = None
+            self._batch_ids.clear()
 
     def _consume(self, name: str, module: nn.MultiheadAttention, weights: Tensor) -> None:
         if self._batch is None:
@@ -262,91 +430,272 @@ class AttentionMonitor(Callback):
                 f"{tuple(query_ids.shape)} and key stream {key_stream!r} {tuple(key_ids.shape)} (expected (B, Lq) and "
                 "(B, Lk); see arguments `attention_streams` and `batch_first`)"
             )
-        self._metrics[name].update(weights, query_ids, key_ids, query_valid, key_valid)
+        if self._probe_capturing or self._probe_only:
+            self._probe_weights[name] = weights[: self.probe_samples].detach().float().cpu()
+        if not self._probe_only:
+            self._metrics[name].update(weights, query_ids, key_ids, query_valid, key_valid)
 
-    def _log_module(self, pl_module: LightningModule, name: str, stats: AttentionStats, writer: Any, step: int) -> None:
+    def _remember(self, all_stats: dict[str, AttentionStats], epoch: int) -> None:
+        """Keep this epoch's ``P`` as the previous one, and as the reference when it is the reference epoch."""
+        snapshot = {
+            name: {"attention_mass": stats.attention_mass.detach().cpu(), "query_count": stats.query_count.cpu()}
+            for name, stats in all_stats.items()
+        }
+        self._previous, self._previous_epoch = snapshot, epoch
+        wanted = self.drift_reference_epoch
+        if self._reference_epoch is None and (wanted is None or wanted == epoch):
+            self._reference, self._reference_epoch = snapshot, epoch
+
+    def _export(self, trainer: Trainer, all_stats: dict[str, AttentionStats]) -> None:
+        from attn_callbacks.export import save_epoch
+
+        root = self.export_dir or (trainer.log_dir if trainer.log_dir is not None else trainer.default_root_dir)
+        path = Path(root) / "attention_epochs" / f"epoch={trainer.current_epoch:04d}-step={trainer.global_step}"
+        labels = {stream: None if self._labels[stream] is None else self._full_labels(stream) for stream in self._vocab}
+        save_epoch(
+            path.with_suffix(f".{self.export}"),
+            all_stats,
+            streams=self._streams_of,
+            labels=labels,
+            epoch=trainer.current_epoch,
+            global_step=trainer.global_step,
+        )
+
+    def _full_labels(self, stream: str) -> list[str]:
+        return render.label_tokens(range(self._vocab[stream]), self._labels[stream], max_length=None)
+
+    def _label(self, ids: Sequence[int], stream: str) -> list[str]:
+        return render.label_tokens(list(ids), self._labels[stream])
+
+    # ------------------------------------------------------------------------------------------------------- logging
+    def _log_module(
+        self, pl_module: LightningModule, name: str, stats: AttentionStats, writer: Any, step: int, drift: bool
+    ) -> None:
         layer = name or "attention"
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
+        query_count = stats.query_count
         mass_heads = stats.attention_mass  # (H, Vq, Vk)
-        mass = F.attention_mass(stats.attention_sum.mean(dim=0), stats.query_count)  # (Vq, Vk)
+        mass = mass_heads.mean(dim=0)  # P̄ = mean_h S[h] / Q = mean_h P[h]
+        sum_mean = stats.attention_sum.mean(dim=0)  # (Vq, Vk)
+        previous = self._previous.get(name) if drift else None
+        reference = self._reference.get(name) if drift else None
+        if previous is not None and tuple(previous["attention_mass"].shape) != tuple(mass_heads.shape):
+            previous = reference = None  # a different model under the same name: nothing comparable
 
-        scalars = {
-            f"{self.prefix}_entropy/{layer}": F.row_entropy(mass, stats.query_count),
+        scalars: dict[str, Tensor] = {
             f"{self.prefix}_skipped_rows/{layer}": stats.skipped_rows.float(),
         }
+
+        def add(tag: str, layer_value: Tensor, head_values: Tensor | None = None) -> None:
+            scalars[f"{self.prefix}_{tag}/{layer}"] = layer_value
+            if self.per_head and head_values is not None:
+                for h, value in enumerate(head_values):
+                    scalars[f"{self.prefix}_{tag}/{layer}/head_{h}"] = value
+
+        add("entropy", F.row_entropy(mass, query_count), F.row_entropy(mass_heads, query_count))
         if square:
-            scalars[f"{self.prefix}_asymmetry/{layer}"] = F.asymmetry_index(mass)
-        if self.per_head:
-            entropy_heads = F.row_entropy(mass_heads, stats.query_count)
-            asymmetry_heads = F.asymmetry_index(mass_heads) if square else None
-            for h in range(mass_heads.shape[0]):
-                scalars[f"{self.prefix}_entropy/{layer}/head_{h}"] = entropy_heads[h]
-                if asymmetry_heads is not None:
-                    scalars[f"{self.prefix}_asymmetry/{layer}/head_{h}"] = asymmetry_heads[h]
+            add("asymmetry", F.asymmetry_index(mass), F.asymmetry_index(mass_heads))
+        add("lift", F.mean_lift(sum_mean, stats.uniform_sum), F.mean_lift(stats.attention_sum, stats.uniform_sum))
+        positions = F.position_statistics(stats.position_sums, query_count)
+        for stat, values in positions.items():
+            add(f"position/{stat}", values.mean(), values)
+        sinks = self._sinks.get(key_stream)
+        if sinks:
+            sink_heads = F.sink_mass(stats.attention_sum, query_count, torch.tensor(sinks, device=mass.device))
+            add("position/sink_mass", sink_heads.mean(), sink_heads)
+        for which, memory in (("prev", previous), ("ref", reference)):
+            if memory is None:
+                continue
+            old_heads = memory["attention_mass"].to(mass.device)
+            old_count = memory["query_count"].to(mass.device)
+            args = (query_count, old_count, self.min_support)
+            js, frobenius = F.attention_drift(mass, old_heads.mean(dim=0), *args)
+            js_heads, frobenius_heads = F.attention_drift(mass_heads, old_heads, *args)
+            add(f"drift/js_{which}", js, js_heads)
+            add(f"drift/frobenius_{which}", frobenius, frobenius_heads)
         for tag, value in scalars.items():
             pl_module.log(tag, value.float(), on_step=False, on_epoch=True, sync_dist=False)
+        self._check_collapse(name, positions["entropy_normalized"], query_count)
         if int(stats.skipped_rows) > 0:
             self._warn_once(
                 f"skipped:{name}",
                 f"AttentionMonitor: {int(stats.skipped_rows)} query rows of attention module {name!r} had non-finite "
                 "weights (fully masked rows?) and were left out of the sums",
             )
-        if writer is None:
-            return
+        if writer is not None:
+            self._write_images_and_text(writer, name, layer, stats, mass, mass_heads, previous, reference, step)
 
+    def _check_collapse(self, name: str, entropy_normalized: Tensor, query_count: Tensor) -> None:
+        if self.entropy_collapse_threshold <= 0 or int(query_count.sum()) == 0:
+            return
+        for h, value in enumerate(entropy_normalized.tolist()):
+            if value < self.entropy_collapse_threshold:
+                self._warn_once(
+                    f"collapse:{name}:{h}",
+                    f"AttentionMonitor: head {h} of attention module {name!r} has normalised entropy {value:.3f} < "
+                    f"entropy_collapse_threshold={self.entropy_collapse_threshold}: nearly every query looks at a "
+                    "single key (attention collapse, or a sink).",
+                )
+
+    def _write_images_and_text(
+        self,
+        writer: Any,
+        name: str,
+        layer: str,
+        stats: AttentionStats,
+        mass: Tensor,
+        mass_heads: Tensor,
+        previous: dict[str, Tensor] | None,
+        reference: dict[str, Tensor] | None,
+        step: int,
+    ) -> None:
+        query_stream, key_stream = self._streams_of[name]
+        square = query_stream == key_stream
+        images: dict[str, Any] = {}
+        texts: dict[str, str] = {}
+        self._probe_images(images, name, layer)
         rows = F.top_tokens(stats.query_count, self.top_k)
         key_frequency = stats.pair_count.sum(dim=0)
         cols = rows if square else F.top_tokens(key_frequency, self.top_k)
-        if len(rows) == 0 or len(cols) == 0:
-            return
-        row_labels = render.label_tokens(rows.tolist(), self._labels[query_stream])
-        col_labels = render.label_tokens(cols.tolist(), self._labels[key_stream])
+        if len(rows) and len(cols):
+            row_labels = self._label(rows.tolist(), query_stream)
+            col_labels = self._label(cols.tolist(), key_stream)
 
-        def block(matrix: Tensor) -> Any:  # (..., Vq, Vk) -> (..., top rows, top cols) as numpy
-            return matrix[..., rows, :][..., cols].float().cpu().numpy()
+            def block(matrix: Tensor) -> Any:  # (..., Vq, Vk) -> (..., top rows, top cols) as numpy
+                return matrix[..., rows, :][..., cols].float().cpu().numpy()
 
-        images = {
-            f"{self.prefix}_mass/{layer}": render.heatmap(
-                block(mass), row_labels, col_labels, f"{layer}: attention mass P (mean of heads)", "P[query, key]"
+            def draw(matrix: Tensor, title: str, colour: str, diverging: bool = False) -> Any:
+                return render.heatmap(block(matrix), row_labels, col_labels, f"{layer}: {title}", colour, diverging)
+
+            images[f"{self.prefix}_mass/{layer}"] = draw(mass, "attention mass P (mean of heads)", "P[query, key]")
+            if self.per_head:
+                images[f"{self.prefix}_mass_heads/{layer}"] = render.head_grid(
+                    block(mass_heads), row_labels, col_labels, f"{layer}: attention mass P per head", "P[query, key]"
+                )
+            if square:
+                images[f"{self.prefix}_asymmetry_map/{layer}"] = draw(
+                    mass - mass.T, "P - Pᵀ (red: query attends to key more than back)", "P[a, b] - P[b, a]", True
+                )
+            lift = F.lift(stats.attention_sum.mean(dim=0), stats.uniform_sum)
+            # log2 lift, blank where the pair was never visible (no evidence either way).
+            log_lift = torch.where(stats.pair_count > 0, torch.log2(lift.clamp(min=1e-6)), float("nan"))
+            images[f"{self.prefix}_lift_map/{layer}"] = draw(
+                log_lift, "log2 lift over uniform attention (red: more than chance)", "log2(S / U)", True
             )
-        }
-        if self.per_head:
-            images[f"{self.prefix}_mass_heads/{layer}"] = render.head_grid(
-                block(mass_heads), row_labels, col_labels, f"{layer}: attention mass P per head", "P[query, key]"
-            )
-        if square:
-            images[f"{self.prefix}_asymmetry_map/{layer}"] = render.heatmap(
-                block(mass - mass.T),
-                row_labels,
-                col_labels,
-                f"{layer}: P - Pᵀ (red: query attends to key more than back)",
-                "P[a, b] - P[b, a]",
-                diverging=True,
-            )
+            if reference is not None:
+                ref_mass = reference["attention_mass"].to(mass.device).mean(dim=0)
+                images[f"{self.prefix}_drift_map/{layer}"] = draw(
+                    mass - ref_mass,
+                    f"P now - P at epoch {self._reference_epoch} (red: attends more now)",
+                    "P_t - P_ref",
+                    True,
+                )
+        if self.num_pairs:
+            texts.update(self._tables(name, layer, stats, mass, previous, reference))
         for tag, figure in images.items():
             writer.add_image(tag, render.figure_to_array(figure), step, dataformats="HWC")
-        if square and self.num_pairs:
-            pairs = F.one_way_pairs(mass, stats.pair_count, self.num_pairs, self.min_support)
-            labels = self._labels[query_stream]
-            table = [
-                (
-                    render.label_tokens([a], labels)[0],
-                    render.label_tokens([b], labels)[0],
-                    score,
-                    float(mass[a, b]),
-                    float(mass[b, a]),
-                    int(stats.pair_count[a, b]),
-                )
-                for a, b, score in pairs
+        for tag, text in texts.items():
+            writer.add_text(tag, text, step)
+
+    def _probe_images(self, images: dict[str, Any], name: str, layer: str) -> None:
+        weights = self._probe_weights.get(name)
+        if weights is None or self._probe_ids is None:
+            return
+        query_stream, key_stream = self._streams_of[name]
+        query_ids, key_ids = self._probe_ids[query_stream], self._probe_ids[key_stream]
+        for sample in range(min(weights.shape[0], query_ids.shape[0])):
+            q_ids, k_ids = query_ids[sample], key_ids[sample]
+            q_pos, k_pos = self._valid(q_ids).nonzero()[:, 0], self._valid(k_ids).nonzero()[:, 0]
+            per_head = weights[sample][:, q_pos][:, :, k_pos]  # (H, valid Lq, valid Lk)
+            panels = torch.cat([per_head.mean(dim=0, keepdim=True), per_head]).numpy()
+            images[f"{self.prefix}_probe/{layer}/sample_{sample}"] = render.head_grid(
+                panels,
+                self._label(q_ids[q_pos].tolist(), query_stream),
+                self._label(k_ids[k_pos].tolist(), key_stream),
+                f"{layer}: probe sample {sample}, attention weight (query position × key position)",
+                "weight",
+                titles=["mean of heads"] + [f"head {h}" for h in range(per_head.shape[0])],
+            )
+
+    def _tables(
+        self,
+        name: str,
+        layer: str,
+        stats: AttentionStats,
+        mass: Tensor,
+        previous: dict[str, Tensor] | None,
+        reference: dict[str, Tensor] | None,
+    ) -> dict[str, str]:
+        query_stream, key_stream = self._streams_of[name]
+        square = query_stream == key_stream
+        count = stats.pair_count
+        tables: dict[str, str] = {}
+
+        def table(header: Sequence[str], rows: list[Sequence[object]], empty: str) -> str:
+            return render.markdown_table(header, rows) if rows else empty
+
+        def q_label(a: int) -> str:
+            return self._label([a], query_stream)[0]
+
+        def k_label(b: int) -> str:
+            return self._label([b], key_stream)[0]
+
+        needs = f"No pair seen at least min_support={self.min_support} times"
+        if square:
+            rows = [
+                (q_label(a), k_label(b), score, float(mass[a, b]), float(mass[b, a]), int(count[a, b]))
+                for a, b, score in F.one_way_pairs(mass, count, self.num_pairs, self.min_support)
             ]
             header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
-            text = (
-                render.markdown_table(header, table)
-                if table
-                else (f"No pair seen at least min_support={self.min_support} times in both directions.")
+            tables[f"{self.prefix}_one_way_pairs/{layer}"] = table(header, rows, f"{needs} in both directions.")
+        lift = F.lift(stats.attention_sum.mean(dim=0), stats.uniform_sum)
+        rows = [
+            (q_label(a), k_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / stats.query_count[a]))
+            for a, b, score in F.top_pairs(lift, count, self.num_pairs, self.min_support)
+        ]
+        header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
+        tables[f"{self.prefix}_lift_pairs/{layer}"] = table(header, rows, f"{needs}.")
+        if reference is not None:
+            ref_mass = reference["attention_mass"].to(mass.device).mean(dim=0)
+            ref_count = reference["query_count"].to(mass.device)
+            prev_js = None
+            if previous is not None:
+                prev_mass = previous["attention_mass"].to(mass.device).mean(dim=0)
+                prev_js = F.js_divergence(mass, prev_mass)
+            moved = F.moved_tokens(mass, ref_mass, stats.query_count, ref_count, self.num_pairs, self.min_support)
+            rows = [
+                (
+                    q_label(a),
+                    js,
+                    float(prev_js[a]) if prev_js is not None else "",
+                    k_label(int(mass[a].argmax())),
+                    k_label(int(ref_mass[a].argmax())),
+                    int(stats.query_count[a]),
+                )
+                for a, js in moved
+            ]
+            header = (
+                "query token",
+                f"JS vs epoch {self._reference_epoch}",
+                f"JS vs epoch {self._previous_epoch}",
+                "top key now",
+                "top key then",
+                "Q now",
             )
-            writer.add_text(f"{self.prefix}_one_way_pairs/{layer}", text, step)
+            tables[f"{self.prefix}_drift_tokens/{layer}"] = table(header, rows, "No query token seen often enough.")
+        degree = F.in_degree(stats.attention_sum.mean(dim=0), stats.query_count)
+        if square:
+            rank = F.pagerank(mass)
+            order = F.top_tokens(rank * (degree > 0), self.num_pairs).tolist()
+            rows = [(k_label(b), float(rank[b]), float(degree[b]), int(stats.query_count[b])) for b in order]
+            header = ("token", "PageRank", "in-degree (share of attention received)", "Q")
+        else:
+            order = F.top_tokens(degree, self.num_pairs).tolist()
+            rows = [(k_label(b), float(degree[b])) for b in order]
+            header = ("key token", "in-degree (share of attention received)")
+        tables[f"{self.prefix}_hubs/{layer}"] = table(header, rows, "No attention recorded.")
+        return tables
 
 
 def _module_device(module: nn.Module) -> torch.device:

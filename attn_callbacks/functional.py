@@ -25,6 +25,7 @@ __all__ = [
     "in_degree",
     "js_divergence",
     "lift",
+    "mean_lift",
     "mean_weight",
     "moved_tokens",
     "one_way_pairs",
@@ -304,6 +305,30 @@ def lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
         tensor([[1.8000, 0.2000]])
     """
     return safe_divide(attention_sum, uniform_sum)
+
+
+def mean_lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
+    """Attention-weighted geometric mean lift: ``exp(Σ_ab S[a, b] log(S[a, b] / U[a, b]) / Σ_ab S[a, b])``.
+
+    "On average, attention lands on (query, key) token pairs this many times more than uniform attention over the
+    visible keys would." 1 = no better than chance; it grows as attention concentrates on specific tokens. (Its log is
+    the KL divergence, in nats, from the uniform baseline to the attention at the vocabulary level.) Cells with
+    ``S = 0`` contribute nothing; 1 when ``S`` is all zero.
+
+    Args:
+        attention_sum: ``(..., Vq, Vk)`` (``mean_h S[h]`` for the layer, ``S`` per head).
+        uniform_sum: ``(Vq, Vk)``.
+
+    Returns:
+        ``(...)``.
+
+    Example:
+        >>> float(mean_lift(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.5]])))  # all mass on 1 of 2 keys
+        2.0
+    """
+    log_lift = torch.where(attention_sum > 0, torch.log(lift(attention_sum, uniform_sum).clamp(min=1e-30)), 0.0)
+    total = attention_sum.sum(dim=(-1, -2))
+    return torch.exp(safe_divide((attention_sum * log_lift).sum(dim=(-1, -2)), total))
 
 
 def js_divergence(p: Tensor, q: Tensor) -> Tensor:

@@ -46,7 +46,7 @@ def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length
 
 def _draw(ax, matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], diverging: bool, vmax: float | None):
     if diverging:
-        limit = vmax if vmax is not None else max(float(np.abs(matrix).max()), 1e-12)
+        limit = vmax if vmax is not None else _abs_max(matrix)
         image = ax.imshow(
             matrix, cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -limit, limit), aspect="auto", interpolation="nearest"
         )
@@ -58,6 +58,12 @@ def _draw(ax, matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], dive
     ax.set_xlabel("key token (attended to)")
     ax.set_ylabel("query token (attending)")
     return image
+
+
+def _abs_max(matrix: np.ndarray) -> float:
+    """Largest finite absolute value (NaN cells are drawn blank), at least a tiny positive number."""
+    finite = np.abs(matrix[np.isfinite(matrix)])
+    return max(float(finite.max()) if finite.size else 0.0, 1e-12)
 
 
 def _figsize(rows: int, cols: int) -> tuple[float, float]:
@@ -82,7 +88,8 @@ def heatmap(
         title: figure title (name the layer and head).
         colorbar_label: what the colour means.
         diverging: a red/blue scale centred on 0 (for differences such as ``P - Pᵀ``).
-        vmax: top of the colour scale (symmetric limit when diverging); the data's maximum if None.
+        vmax: top of the colour scale (symmetric limit when diverging); the data's maximum if None. NaN cells are
+            drawn blank.
     """
     figure = Figure(figsize=_figsize(len(row_labels), len(col_labels)), dpi=100, layout="constrained")
     ax = figure.add_subplot()
@@ -98,22 +105,35 @@ def head_grid(
     col_labels: Sequence[str],
     title: str,
     colorbar_label: str,
+    titles: Sequence[str] | None = None,
+    diverging: bool = False,
 ) -> Figure:
-    """Per-head heatmaps ``(H, R, C)`` in a grid sharing one colour scale, so heads compare by eye."""
+    """Per-head heatmaps ``(H, R, C)`` in a grid sharing one colour scale, so heads compare by eye.
+
+    Args:
+        matrices: ``(H, R, C)``.
+        row_labels: ``R`` query token labels.
+        col_labels: ``C`` key token labels.
+        title: figure title (name the layer).
+        colorbar_label: what the colour means.
+        titles: one title per panel; ``head 0``, ``head 1`` ... if None.
+        diverging: a red/blue scale centred on 0.
+    """
     heads = matrices.shape[0]
+    titles = [f"head {h}" for h in range(heads)] if titles is None else list(titles)
     ncols = min(heads, 4)
     nrows = math.ceil(heads / ncols)
     width, height = _figsize(len(row_labels), len(col_labels))
     figure = Figure(figsize=(width * ncols * 0.8, height * nrows * 0.8), dpi=100, layout="constrained")
     axes = figure.subplots(nrows, ncols, squeeze=False)
-    vmax = max(float(matrices.max()), 1e-12)
+    vmax = _abs_max(matrices)
     image = None
     for h, ax in enumerate(axes.flat):
         if h >= heads:
             ax.set_axis_off()
             continue
-        image = _draw(ax, matrices[h], row_labels, col_labels, False, vmax)
-        ax.set_title(f"head {h}", fontsize=9)
+        image = _draw(ax, matrices[h], row_labels, col_labels, diverging, vmax)
+        ax.set_title(titles[h], fontsize=9)
     figure.suptitle(title, fontsize=10)
     figure.colorbar(image, ax=axes, label=colorbar_label, shrink=0.6)
     return figure

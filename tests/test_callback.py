@@ -94,22 +94,33 @@ def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_pat
     events = EventAccumulator(t.logger.log_dir, size_guidance={IMAGES: 0, SCALARS: 0, TENSORS: 0})
     events.Reload()
     layers = ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
-    kinds = ("mass", "mass_heads", "asymmetry_map")
+    every_epoch = ("mass", "mass_heads", "asymmetry_map", "lift_map")
+    kinds = (*every_epoch, "drift_map")
     assert sorted(events.Tags()["images"]) == sorted(f"attention_{k}/{layer}" for k in kinds for layer in layers)
     for layer in layers:
-        for kind in ("mass", "mass_heads", "asymmetry_map"):
+        for kind in kinds:
             images = events.Images(f"attention_{kind}/{layer}")
-            assert len(images) == 2  # two epochs, sanity check not logged
+            # two epochs, sanity check not logged; drift needs a previous epoch
+            assert len(images) == (2 if kind in every_epoch else 1)
             png = Image.open(io.BytesIO(images[-1].encoded_image_string))
             assert png.size == (images[-1].width, images[-1].height) and png.width > 200 and png.height > 200
-        for name in ("asymmetry", "entropy", "asymmetry", "skipped_rows"):
+        stats = ("entropy_normalized", "entropy", "self", "previous", "next", "distance")
+        every_epoch_scalars = ("asymmetry", "entropy", "lift", "skipped_rows", *(f"position/{s}" for s in stats))
+        drift_scalars = [f"drift/{kind}_{which}" for kind in ("js", "frobenius") for which in ("prev", "ref")]
+        for name in (*every_epoch_scalars, *drift_scalars):
             values = [e.value for e in events.Scalars(f"attention_{name}/{layer}")]
-            assert len(values) == 2 and all(math.isfinite(v) for v in values)
-        for h in range(2):
-            assert len(events.Scalars(f"attention_entropy/{layer}/head_{h}")) == 2
-            assert len(events.Scalars(f"attention_asymmetry/{layer}/head_{h}")) == 2
-        text = events.Tensors(f"attention_one_way_pairs/{layer}/text_summary")  # add_text's own suffix
-        assert len(text) == 2 and b"| query a | key b |" in text[-1].tensor_proto.string_val[0]
+            assert len(values) == (1 if name.startswith("drift") else 2) and all(math.isfinite(v) for v in values)
+            if name != "skipped_rows":  # a per-layer count, no head
+                for h in range(2):
+                    assert len(events.Scalars(f"attention_{name}/{layer}/head_{h}")) == len(values)
+        for table, count in (("one_way_pairs", 2), ("lift_pairs", 2), ("hubs", 2), ("drift_tokens", 1)):
+            text = events.Tensors(f"attention_{table}/{layer}/text_summary")  # add_text's own suffix
+            assert len(text) == count and text[-1].tensor_proto.string_val[0].startswith(b"| ")
+        text = events.Tensors(f"attention_one_way_pairs/{layer}/text_summary")
+        assert b"| query a | key b |" in text[-1].tensor_proto.string_val[0]
+    js = events.Scalars(f"attention_drift/js_prev/{layers[0]}")[0].value
+    assert 0 < js <= math.log(2)  # the model trained between the two epochs
+    assert js == events.Scalars(f"attention_drift/js_ref/{layers[0]}")[0].value  # epoch 0 is both
     asym = [e.value for e in events.Scalars(f"attention_asymmetry/{layers[0]}")]
     assert all(0.0 <= v <= 1.0 for v in asym)
     entropy = [e.value for e in events.Scalars(f"attention_entropy/{layers[0]}")]
@@ -119,10 +130,10 @@ def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_pat
 class Recorder(AttentionMonitor):
     """Keeps the computed stats of the last epoch to compare against an independent reference."""
 
-    def _log_module(self, pl_module, name, stats, writer, step):
+    def _log_module(self, pl_module, name, stats, writer, step, drift):
         self.last = getattr(self, "last", {})
         self.last[name] = stats
-        super()._log_module(pl_module, name, stats, writer, step)
+        super()._log_module(pl_module, name, stats, writer, step, drift)
 
 
 def test_callback_sums_equal_reference_from_manually_captured_weights(tmp_path):
