@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from PIL import Image
@@ -12,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALA
 from torch import nn
 from torch.utils.data import DataLoader
 
-from attn_callbacks import AttentionMonitor
+from attn_callbacks import AttentionMonitor, capture_attention
 from attn_callbacks.functional import accumulate_attention, attention_mass
 
 VOCAB, PAD, LENGTH = 12, 0, 6
@@ -64,9 +65,9 @@ def loaders():
 
 
 def trainer(tmp_path, callbacks, logger=None, **kwargs):
+    kwargs.setdefault("max_epochs", 2)
     return Trainer(
         default_root_dir=tmp_path,
-        max_epochs=2,
         accelerator="cpu",
         logger=logger if logger is not None else TensorBoardLogger(tmp_path, name="tb"),
         callbacks=callbacks,
@@ -358,3 +359,167 @@ def test_callback_nan_rows_are_counted_and_skipped(tmp_path):
     metric = monitor._metrics["encoder.layers.0.self_attn"]
     assert int(metric.skipped_rows) == 1 and int(metric.query_count[1]) == 2
     assert np.isclose(float(metric.attention_sum[0, 1, 1]), 2.0)
+
+
+def drift_scalars(log_dir):
+    events = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
+    events.Reload()
+    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"] if "_drift/" in tag}
+
+
+def checkpointed_fit(tmp_path, name, max_epochs, ckpt_path=None):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    train, val = loaders()
+    t = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path, name=name),
+        callbacks=[monitor, checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    t.fit(TinyEncoder(), train, val, ckpt_path=ckpt_path)
+    return t, monitor
+
+
+def test_callback_resumed_run_logs_the_same_drift_as_an_uninterrupted_one(tmp_path):
+    straight, _ = checkpointed_fit(tmp_path / "a", "straight", max_epochs=3)
+    expected = drift_scalars(straight.logger.log_dir)
+    _, monitor = checkpointed_fit(tmp_path / "b", "first", max_epochs=2)
+    last = tmp_path / "b" / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)  # the callback state is plain tensors and numbers
+    state = checkpoint["callbacks"][monitor.state_key]
+    assert state["previous_epoch"] == 1 and state["reference_epoch"] == 0
+    resumed, _ = checkpointed_fit(tmp_path / "b", "resumed", max_epochs=3, ckpt_path=last)
+    got = drift_scalars(resumed.logger.log_dir)
+    assert len(expected) == 2 * 4 * 3  # 2 layers x {js, frobenius} x {prev, ref} x (layer + 2 heads)
+    assert got.keys() == expected.keys()
+    for tag, value in expected.items():
+        assert math.isclose(got[tag], value, rel_tol=1e-5, abs_tol=1e-7), tag
+    assert (
+        expected["attention_drift/js_prev/encoder.layers.0.self_attn"]
+        != expected["attention_drift/js_ref/encoder.layers.0.self_attn"]
+    )  # epoch 2 against epoch 1 and against epoch 0 really differ
+
+
+class SinkModel(LightningModule):
+    """Every query may only see key position 0, which always holds token 0 (BOS): all attention is on the sink."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def validation_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        mask = torch.full((ids.shape[1], ids.shape[1]), float("-inf"))
+        mask[:, 0] = 0.0
+        x = self.embed(ids)
+        self.attn(x, x, x, attn_mask=mask, need_weights=False)
+
+
+def test_callback_sink_mass_and_position_statistics_of_a_model_forced_onto_token_0(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (8, LENGTH), generator=g)
+    ids[:, 0] = 0
+    batches = [{"input_ids": ids[:4]}, {"input_ids": ids[4:]}]
+    monitor = Recorder(VOCAB, "input_ids", sink_ids=[0], entropy_collapse_threshold=0.1)
+    t = trainer(tmp_path, [monitor])
+    with pytest.warns(UserWarning, match="head 0 of attention module 'attn' has normalised entropy 0.000"):
+        t.validate(SinkModel(), DataLoader(batches, batch_size=None), verbose=False)
+    logged = {k: float(v) for k, v in t.callback_metrics.items()}
+    expected = {
+        "sink_mass": 1.0,  # every row puts all its weight on token 0
+        "entropy": 0.0,
+        "entropy_normalized": 0.0,
+        "self": 1 / LENGTH,  # only row i = 0 looks at itself
+        "previous": 1 / LENGTH,  # only row i = 1 looks at i - 1 = 0
+        "next": 0.0,
+        "distance": sum(range(LENGTH)) / LENGTH,  # row i looks |i - 0| = i away
+    }
+    for stat, value in expected.items():
+        for suffix in ("", "/head_0", "/head_1"):
+            assert math.isclose(logged[f"attention_position/{stat}/attn{suffix}"], value, abs_tol=1e-6), stat
+    # The mask leaves one visible key per row, so uniform attention would do the same: lift exactly 1.
+    assert math.isclose(logged["attention_lift/attn"], 1.0, rel_tol=1e-6)
+    stats = monitor.last["attn"]
+    assert torch.equal(stats.uniform_sum[:, 0], stats.query_count.float())
+
+
+def test_callback_rejects_bad_insight_arguments():
+    with pytest.raises(ValueError, match="`probe` to be 'first', a batch or None, but got 'last'"):
+        AttentionMonitor(VOCAB, probe="last")
+    with pytest.raises(ValueError, match="needs argument `probe_forward`"):
+        AttentionMonitor(VOCAB, probe={"input_ids": torch.ones(1, 2, dtype=torch.long)})
+    with pytest.raises(ValueError, match="`export` to be 'pt', 'npz' or None, but got 'csv'"):
+        AttentionMonitor(VOCAB, export="csv")
+    with pytest.raises(ValueError, match="`entropy_collapse_threshold` to be in \\[0, 1\\], but got 2"):
+        AttentionMonitor(VOCAB, entropy_collapse_threshold=2)
+    with pytest.raises(ValueError, match="`sink_ids` names unknown stream\\(s\\) \\['nope'\\]"):
+        AttentionMonitor(VOCAB, sink_ids={"nope": [0]})
+    with pytest.raises(ValueError, match="`drift_reference_epoch` to be an integer >= 0, but got -1"):
+        AttentionMonitor(VOCAB, drift_reference_epoch=-1)
+    with pytest.raises(MisconfigurationException, match="`sink_ids` has id\\(s\\) \\[99\\] outside the vocabulary"):
+        AttentionMonitor(VOCAB, sink_ids=[99]).setup(None, TinyEncoder(), "fit")
+
+
+class ProbeRecorder(AttentionMonitor):
+    """Keeps the probe weights each epoch renders."""
+
+    def _probe_images(self, images, name, layer):
+        self.probes = getattr(self, "probes", [])
+        self.probes.append((name, self._probe_weights.get(name)))
+        super()._probe_images(images, name, layer)
+
+
+def test_callback_probe_first_batch_is_frozen_and_equals_the_models_attention(tmp_path):
+    seed_everything(0)
+    monitor = ProbeRecorder(VOCAB, "input_ids", ignore_ids=[PAD], probe="first", probe_samples=2)
+    model = TinyEncoder()
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], num_sanity_val_steps=0)
+    t.fit(model, train, val)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={IMAGES: 0})
+    events.Reload()
+    for sample in range(2):
+        assert len(events.Images(f"attention_probe/encoder.layers.1.self_attn/sample_{sample}")) == 2
+    frozen = make_batches(seed=1)[0]["input_ids"][:2]
+    assert torch.equal(monitor._probe_ids["tokens"], frozen)
+    with torch.no_grad(), capture_attention(model.eval(), ["encoder.layers.1.self_attn"]) as weights:
+        model(frozen)
+    name, last = monitor.probes[-1]
+    assert name == "encoder.layers.1.self_attn"
+    torch.testing.assert_close(last, weights[name][0], rtol=1e-5, atol=1e-6)
+
+
+def test_callback_probe_first_warns_when_the_validation_loader_shuffles(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], probe="first")
+    train, _ = loaders()
+    val = DataLoader(make_batches(seed=1), batch_size=1, collate_fn=collate, shuffle=True)
+    with pytest.warns(UserWarning, match="no longer starts with the frozen probe samples"):
+        trainer(tmp_path, [monitor], num_sanity_val_steps=0, max_epochs=4).fit(TinyEncoder(), train, val)
+
+
+def test_callback_probe_batch_with_probe_forward_does_not_touch_the_sums(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    batches = [{"src": torch.randint(0, 7, (3, 5), generator=g), "tgt": torch.randint(0, 9, (3, 4), generator=g)}]
+    probe = {"src": torch.tensor([[1, 2, 3]]), "tgt": torch.tensor([[4, 5]])}
+    results = []
+    for kwargs in ({}, {"probe": probe, "probe_forward": lambda module, batch: module.validation_step(batch, 0)}):
+        seed_everything(0)
+        monitor = Recorder({"src": 7, "tgt": 9}, {"src": "src", "tgt": "tgt"}, **kwargs)
+        t = trainer(tmp_path, [monitor])
+        t.validate(Seq2Seq(), DataLoader(batches, batch_size=None), verbose=False)
+        results.append((monitor.last, t))
+    (plain, _), (probed, t) = results
+    for name, stats in plain.items():
+        assert torch.equal(stats.attention_sum, probed[name].attention_sum), name
+    events = EventAccumulator(t.logger.log_dir, size_guidance={IMAGES: 0})
+    events.Reload()
+    image = events.Images("attention_probe/transformer.decoder.layers.0.multihead_attn/sample_0")[0]
+    assert Image.open(io.BytesIO(image.encoded_image_string)).width > 200
