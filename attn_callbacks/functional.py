@@ -40,8 +40,8 @@ __all__ = [
 ]
 
 #: Rows of the ``position_sums`` state, each a per-head sum over valid query rows ``i`` (weights ``w`` restricted to
-#: valid keys ``j``): row entropy ``-Σ_j w log w``; its maximum ``log #visible keys``; mass on ``j = i``, ``j = i - 1``,
-#: ``j = i + 1``; attention distance ``Σ_j w |i - j|``.
+#: valid keys ``j``): the entropy of the row renormalised over the valid keys; its maximum ``log #visible keys``; mass
+#: on ``j = i``, ``j = i - 1``, ``j = i + 1``; attention distance ``Σ_j w |i - j|``.
 POSITION_STATS = ("entropy", "max_entropy", "self", "previous", "next", "distance")
 
 
@@ -122,9 +122,18 @@ def accumulate_attention(
         positions_q = torch.arange(len_q, device=weights.device)
         distance = (positions_q[:, None] - torch.arange(len_k, device=weights.device)[None, :]).abs()  # (Lq, Lk)
         max_entropy = torch.log(num_visible.clamp(min=1).to(masked.dtype)).sum()  # dropped rows have 0 visible
+        # Entropy of p = w / s over the valid keys (s = their mass), without dividing every weight:
+        # H = -Σ p log p = -Σ w log w / s + log s, so H <= log #visible even when ignored keys got weight.
+        row_mass = masked.sum(dim=-1)  # (B, H, Lq)
+        row_entropy = torch.where(
+            row_mass > 0,
+            -torch.special.xlogy(masked, masked).sum(dim=-1) / row_mass.clamp(min=1e-30)
+            + torch.log(row_mass.clamp(min=1e-30)),
+            0.0,
+        )
         position_sums += torch.stack(
             [
-                -torch.special.xlogy(masked, masked).sum(dim=(0, 2, 3)),
+                row_entropy.sum(dim=(0, 2)),
                 max_entropy.expand(num_heads),
                 masked.diagonal(0, -2, -1).sum(dim=(0, 2)),  # w[i, i]
                 masked.diagonal(-1, -2, -1).sum(dim=(0, 2)),  # w[i, i - 1]
@@ -421,7 +430,9 @@ def position_statistics(position_sums: Tensor, query_count: Tensor) -> dict[str,
 
     With ``R = Σ_a Q[a]`` valid query rows and the per-head sums of :data:`POSITION_STATS`:
 
-    - ``entropy = Σ_i H_i / R``, the mean row entropy in nats, ``H_i = -Σ_j w_ij log w_ij``;
+    - ``entropy = Σ_i H_i / R``, the mean row entropy in nats, ``H_i = -Σ_j p_ij log p_ij`` with
+      ``p_ij = w_ij / Σ_j' w_ij'`` over the valid keys (the row as the model computed it when no attended key is
+      ignored);
     - ``entropy_normalized = Σ_i H_i / Σ_i log n_i`` with ``n_i`` the visible keys of row ``i``: 1 = uniform over
       what the query could see, 0 = one key only (rows with one visible key add 0 to both sums);
     - ``self``, ``previous``, ``next``: mean mass on key position ``j = i``, ``i - 1``, ``i + 1``;
@@ -498,9 +509,9 @@ def pagerank(matrix: Tensor, damping: float = 0.85, tol: float = 1e-10, max_iter
         >>> pagerank(torch.tensor([[0.0, 1.0], [0.0, 1.0]]), damping=0.5).tolist()  # everyone looks at token 1
         [0.25, 0.75]
     """
-    size = matrix.shape[-1]
-    if matrix.dim() != 2 or matrix.shape[0] != size:
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"Expected a square (V, V) matrix for PageRank, but got shape {tuple(matrix.shape)}")
+    size = matrix.shape[-1]
     if not 0 <= damping < 1:
         raise ValueError(f"Expected argument `damping` to be in [0, 1), but got {damping!r}")
     transition = matrix.double()

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from attn_callbacks import functional as F
@@ -130,3 +131,580 @@ def test_row_entropy_weighted_by_query_count():
 
 def test_top_tokens_orders_by_count_and_drops_unseen():
     assert F.top_tokens(torch.tensor([0, 5, 2, 5, 0]), 10).tolist() == [1, 3, 2]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Independent references for the uniform baseline, the position statistics and the epoch metrics.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _row_kept(weights, query_valid, n, i):
+    return bool(query_valid[n, i]) and bool(torch.isfinite(weights[n, :, i]).all())
+
+
+def _visible_keys(weights, key_valid, n, i):
+    """Valid keys that at least one head gives a non-zero weight."""
+    h_, lk = weights.shape[1], weights.shape[3]
+    return [j for j in range(lk) if key_valid[n, j] and any(float(weights[n, h, i, j]) != 0.0 for h in range(h_))]
+
+
+def naive_uniform(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
+    """float64 Python-loop reference of U."""
+    b_, _, lq, _ = weights.shape
+    U = torch.zeros(vq, vk, dtype=torch.float64)
+    for n in range(b_):
+        for i in range(lq):
+            if not _row_kept(weights, query_valid, n, i):
+                continue
+            visible = _visible_keys(weights, key_valid, n, i)
+            for j in visible:
+                U[int(query_ids[n, i]), int(key_ids[n, j])] += 1.0 / len(visible)
+    return U
+
+
+def naive_position_sums(weights, query_valid, key_valid):
+    """float64 Python-loop reference of the position sums, rows in the order of F.POSITION_STATS."""
+    b_, h_, lq, lk = weights.shape
+    P = torch.zeros(6, h_, dtype=torch.float64)
+    for n in range(b_):
+        for i in range(lq):
+            if not _row_kept(weights, query_valid, n, i):
+                continue
+            visible = _visible_keys(weights, key_valid, n, i)
+            for h in range(h_):
+                # weights restricted to valid keys; 0 outside the key range
+                w = {j: float(weights[n, h, i, j]) if key_valid[n, j] else 0.0 for j in range(lk)}
+                total = sum(w.values())  # entropy of the row renormalised over the valid keys
+                P[0, h] += -sum(x / total * math.log(x / total) for x in w.values() if x > 0)
+                P[1, h] += math.log(len(visible)) if visible else 0.0
+                P[2, h] += w.get(i, 0.0)
+                P[3, h] += w.get(i - 1, 0.0)
+                P[4, h] += w.get(i + 1, 0.0)
+                P[5, h] += sum(x * abs(i - j) for j, x in w.items())
+    return P
+
+
+def run_full(weights, query_ids, key_ids, qv, kv, vq, vk):
+    h = weights.shape[1]
+    S = torch.zeros(h, vq, vk)
+    C = torch.zeros(vq, vk, dtype=torch.long)
+    Q = torch.zeros(vq, dtype=torch.long)
+    U = torch.zeros(vq, vk, dtype=torch.float64)
+    P = torch.zeros(len(F.POSITION_STATS), h, dtype=torch.float64)
+    skipped = F.accumulate_attention(S, C, Q, weights, query_ids, key_ids, qv, kv, uniform_sum=U, position_sums=P)
+    return S, C, Q, U, P, int(skipped)
+
+
+def naive_js(p, q):
+    """Jensen–Shannon divergence in nats of two lists, renormalised; 0 when either is all zero."""
+    sp, sq = sum(p), sum(q)
+    if sp == 0 or sq == 0:
+        return 0.0
+    p = [x / sp for x in p]
+    q = [x / sq for x in q]
+    m = [(x + y) / 2 for x, y in zip(p, q, strict=True)]
+    kl_p = sum(x * math.log(x / z) for x, z in zip(p, m, strict=True) if x > 0)
+    kl_q = sum(y * math.log(y / z) for y, z in zip(q, m, strict=True) if y > 0)
+    return (kl_p + kl_q) / 2
+
+
+def naive_drift(current, reference, current_count, reference_count, min_support):
+    """float64 loop reference of (js, frobenius) for one (V, V) pair of matrices."""
+    vq, vk = current.shape
+    num = den = 0.0
+    for a in range(vq):
+        if current_count[a] >= min_support and reference_count[a] >= min_support:
+            wa = float(current_count[a])
+            num += wa * naive_js(current[a].tolist(), reference[a].tolist())
+            den += wa
+    diff = sum((float(current[a, b]) - float(reference[a, b])) ** 2 for a in range(vq) for b in range(vk))
+    ref = sum(float(reference[a, b]) ** 2 for a in range(vq) for b in range(vk))
+    return (num / den if den else 0.0), (math.sqrt(diff) / math.sqrt(ref) if ref else 0.0)
+
+
+def masked_case(b, h, lengths, vocab, causal=True, uniform=False, pad_id=-100, seed=0):
+    """Self-attention batch whose weights are exactly 0 on padded (and causally masked) keys.
+
+    ``lengths[n]`` real tokens per sequence, then padding. ``uniform``: weights uniform over the unmasked keys.
+    """
+    g = torch.Generator().manual_seed(seed)
+    length = max(lengths)
+    ids = torch.randint(0, vocab, (b, length), generator=g)
+    valid = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    ids = torch.where(valid, ids, pad_id)
+    allowed = valid[:, None, None, :].expand(b, h, length, length).clone()
+    if causal:
+        allowed &= torch.ones(length, length, dtype=torch.bool).tril()
+    scores = torch.zeros(b, h, length, length) if uniform else torch.randn(b, h, length, length, generator=g)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return weights, ids, ids, valid, valid
+
+
+def test_accumulate_attention_uniform_sum_matches_naive_loop_with_padding_and_causal_mask():
+    for causal in (False, True):
+        case = random_case(3, 4, 7, 7, 5, 5, causal=causal, seed=4)
+        S, C, Q, U, _, skipped = run_full(*case, 5, 5)
+        torch.testing.assert_close(U, naive_uniform(*case, 5, 5), rtol=1e-6, atol=1e-7)
+        # the new accumulators leave S, C, Q and the skipped count as before
+        rS, rC, rQ, rskipped = naive_accumulate(*case, 5, 5)
+        torch.testing.assert_close(S.double(), rS, rtol=1e-5, atol=1e-6)
+        assert torch.equal(C.double(), rC) and torch.equal(Q.double(), rQ) and skipped == rskipped == 0
+        # every valid row has a visible key (key 0 is valid everywhere), so it spreads exactly 1 over its keys
+        seen = Q > 0
+        torch.testing.assert_close(U.sum(dim=1)[seen], Q[seen].double(), rtol=1e-6, atol=1e-7)
+        assert (U[~seen] == 0).all()
+
+
+def test_accumulate_attention_uniform_sum_excludes_causally_masked_keys():
+    case = random_case(2, 3, 5, 5, 4, 4, causal=True, seed=5)
+    _, qi, ki, qv, kv = case
+    _, _, _, U, _, _ = run_full(*case, 4, 4)
+    # by hand: row i sees the valid keys among 0..i, never the future ones
+    expected = torch.zeros(4, 4, dtype=torch.float64)
+    for n in range(2):
+        for i in range(5):
+            if not qv[n, i]:
+                continue
+            keys = [j for j in range(i + 1) if kv[n, j]]
+            for j in keys:
+                expected[int(qi[n, i]), int(ki[n, j])] += 1 / len(keys)
+    torch.testing.assert_close(U, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_accumulate_attention_uniform_sum_matches_naive_loop_cross_attention_with_nan_rows():
+    weights, qi, ki, qv, kv = random_case(2, 3, 6, 9, 4, 11, causal=True, seed=6)
+    weights[1, :, 2] = float("nan")
+    weights[0, 2, 3, 0] = float("nan")  # one head: the whole row goes
+    _, _, Q, U, _, skipped = run_full(weights, qi, ki, qv, kv, 4, 11)
+    assert skipped == 2 and torch.isfinite(U).all()
+    torch.testing.assert_close(U, naive_uniform(weights, qi, ki, qv, kv, 4, 11), rtol=1e-6, atol=1e-7)
+    seen = Q > 0
+    torch.testing.assert_close(U.sum(dim=1)[seen], Q[seen].double(), rtol=1e-6, atol=1e-7)
+
+
+def test_accumulate_attention_visible_keys_are_valid_and_non_zero_in_some_head_hand_computed():
+    # one query row, 4 keys; key 2 gets 0 in both heads, key 1 only in head 0, key 3 is padding (non-zero weight)
+    weights = torch.tensor([[[[0.4, 0.4, 0.0, 0.2]], [[0.8, 0.0, 0.0, 0.2]]]])  # (B=1, H=2, Lq=1, Lk=4)
+    query_ids, key_ids = torch.tensor([[1]]), torch.tensor([[0, 1, 2, -100]])
+    _, _, _, U, P, _ = run_full(weights, query_ids, key_ids, torch.tensor([[True]]), key_ids != -100, 3, 3)
+    torch.testing.assert_close(
+        U, torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    )
+    # over the valid keys, renormalised: head 0 is [0.5, 0.5, 0], head 1 is [1, 0, 0]
+    entropy = [math.log(2), 0.0]
+    expected = torch.tensor(
+        [
+            entropy,
+            [math.log(2), math.log(2)],  # 2 visible keys, whatever the head
+            [0.4, 0.8],  # self: key 0
+            [0.0, 0.0],  # no previous position
+            [0.4, 0.0],  # next: key 1
+            [0.4 * 1 + 0.0 * 2, 0.0],  # distance; key 3 is padding
+        ],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(P, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_accumulate_attention_new_accumulators_add_up_over_calls():
+    case = random_case(2, 2, 5, 5, 4, 4, causal=True, seed=7)
+    _, _, _, U1, P1, _ = run_full(*case, 4, 4)
+    S = torch.zeros(2, 4, 4)
+    C = torch.zeros(4, 4, dtype=torch.long)
+    Q = torch.zeros(4, dtype=torch.long)
+    U = torch.zeros(4, 4, dtype=torch.float64)
+    P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+    for _ in range(2):
+        F.accumulate_attention(S, C, Q, *case, uniform_sum=U, position_sums=P)
+    torch.testing.assert_close(U, 2 * U1)
+    torch.testing.assert_close(P, 2 * P1)
+
+
+def test_accumulate_attention_position_sums_match_naive_loop_self_attention():
+    assert F.POSITION_STATS == ("entropy", "max_entropy", "self", "previous", "next", "distance")
+    for causal in (False, True):
+        weights, qi, ki, qv, kv = random_case(3, 4, 7, 7, 5, 5, causal=causal, seed=8)
+        *_, P, _ = run_full(weights, qi, ki, qv, kv, 5, 5)
+        assert P.shape == (6, 4)
+        torch.testing.assert_close(P, naive_position_sums(weights, qv, kv), rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_attention_position_sums_match_naive_loop_cross_attention_with_nan_row():
+    for lq, lk in ((5, 8), (8, 5)):
+        weights, qi, ki, qv, kv = random_case(2, 3, lq, lk, 4, 6, seed=9)
+        weights[1, :, 2] = float("nan")
+        weights[0, 1, 0, 3] = float("nan")
+        *_, P, skipped = run_full(weights, qi, ki, qv, kv, 4, 6)
+        assert skipped == 2 and torch.isfinite(P).all()
+        torch.testing.assert_close(P, naive_position_sums(weights, qv, kv), rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_attention_position_sums_fully_masked_row_contributes_nothing():
+    weights, qi, ki, qv, kv = random_case(1, 2, 4, 4, 3, 3, seed=10)
+    _, _, _, U0, P0, _ = run_full(weights, qi, ki, qv, kv, 3, 3)
+    qv_fewer = qv.clone()
+    qv_fewer[0, 1] = False
+    weights[0, :, 1] = float("nan")
+    _, _, _, U1, P1, skipped = run_full(weights, qi, ki, qv, kv, 3, 3)
+    _, _, _, U2, P2, _ = run_full(weights, qi, ki, qv_fewer, kv, 3, 3)  # the same row ignored as padding
+    assert skipped == 1
+    torch.testing.assert_close(P1, P2)
+    torch.testing.assert_close(U1, U2)
+    assert not torch.equal(P0, P1) and not torch.equal(U0, U1)
+
+
+def test_lift_hand_computed_and_zero_where_uniform_is_zero():
+    torch.testing.assert_close(
+        F.lift(torch.tensor([[0.9, 0.1, 0.3]]), torch.tensor([[0.5, 0.5, 0.0]])), torch.tensor([[1.8, 0.2, 0.0]])
+    )
+    per_head = F.lift(torch.tensor([[[2.0, 1.0]], [[0.0, 4.0]]]), torch.tensor([[1.0, 2.0]]))
+    torch.testing.assert_close(per_head, torch.tensor([[[2.0, 0.5]], [[0.0, 2.0]]]))
+
+
+def test_lift_is_one_for_uniform_attention_over_visible_keys_with_causal_mask_and_padding():
+    case = masked_case(3, 2, [6, 4, 2], vocab=5, causal=True, uniform=True, seed=11)
+    S, _, Q, U, _, skipped = run_full(*case, 5, 5)
+    assert skipped == 0
+    torch.testing.assert_close(U.sum(dim=1), Q.double())
+    support = U > 0
+    assert support.sum() > 5
+    layer = F.lift(S.double().mean(dim=0), U)
+    torch.testing.assert_close(layer[support], torch.ones(int(support.sum()), dtype=torch.float64))
+    assert (layer[~support] == 0).all()
+    heads = F.lift(S.double(), U)
+    torch.testing.assert_close(heads[:, support], torch.ones(2, int(support.sum()), dtype=torch.float64))
+
+
+def test_lift_of_a_one_hot_head_next_to_a_uniform_head_hand_computed():
+    # causal, 2 sequences [0, x, x, x] with x in {1, 2}; head 0 one-hot on position 0 (token 0), head 1 uniform over
+    # positions 0..i, so every causal key is visible and U[a, b] = Σ 1 / (i + 1) over rows i holding a, keys holding b
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(1, 3, (2, 4), generator=g)
+    ids[:, 0] = 0
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    uniform = torch.ones(4, 4).tril() / torch.arange(1, 5)[:, None]
+    weights = torch.stack([torch.zeros(4, 4), uniform])[None].repeat(2, 1, 1, 1)
+    weights[:, 0, :, 0] = 1.0
+    S, _, Q, U, _, _ = run_full(weights, ids, ids, valid, valid, 3, 3)
+    expected_u = torch.zeros(3, 3, dtype=torch.float64)
+    for n in range(2):
+        for i in range(4):
+            for j in range(i + 1):
+                expected_u[int(ids[n, i]), int(ids[n, j])] += 1 / (i + 1)
+    torch.testing.assert_close(U, expected_u)
+    lifts = F.lift(S.double(), U)
+    torch.testing.assert_close(lifts[1][U > 0], torch.ones(int((U > 0).sum()), dtype=torch.float64))
+    # head 0: all of each row's mass on token 0, Q[a] in all, against a baseline of U[a, 0]
+    torch.testing.assert_close(lifts[0, :, 0], Q.double() / expected_u[:, 0])
+    assert float(lifts[0, 0, 0]) == 1.0 and (lifts[0, 1:, 0] > 1).all() and (lifts[0, :, 1:] == 0).all()
+
+
+def test_lift_is_one_when_the_only_head_is_one_hot():
+    # documented consequence of "visible = non-zero weight in some head": a single one-hot head leaves one visible key
+    weights, ids, _, valid, _ = masked_case(2, 1, [4, 4], vocab=3, causal=True, uniform=True, seed=12)
+    ids[:, 0] = 0
+    weights = torch.zeros_like(weights)
+    weights[..., 0] = 1.0
+    S, _, Q, U, _, _ = run_full(weights, ids, ids, valid, valid, 3, 3)
+    torch.testing.assert_close(U, S[0].double())
+    torch.testing.assert_close(U.sum(dim=1), Q.double())
+
+
+def test_js_divergence_hand_computed_values():
+    p = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)
+    # m = [0.25, 0.5, 0.25]; KL(p||m) = 0.5 log 2 + 0.5 log 1 = KL(q||m)
+    expected = 0.5 * (0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.5)) * 2
+    assert math.isclose(float(F.js_divergence(p, q)), expected, rel_tol=1e-12)
+    assert math.isclose(float(F.js_divergence(p, q)), 0.5 * math.log(2), rel_tol=1e-12)
+    # unnormalised rows are renormalised first
+    assert math.isclose(float(F.js_divergence(4 * p, 0.1 * q)), expected, rel_tol=1e-12)
+    # an asymmetric case: p = [0.2, 0.8], q = [0.6, 0.4], m = [0.4, 0.6]
+    a, b = [0.2, 0.8], [0.6, 0.4]
+    by_hand = 0.5 * (0.2 * math.log(0.2 / 0.4) + 0.8 * math.log(0.8 / 0.6)) + 0.5 * (
+        0.6 * math.log(0.6 / 0.4) + 0.4 * math.log(0.4 / 0.6)
+    )
+    got = float(F.js_divergence(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)))
+    assert math.isclose(got, by_hand, rel_tol=1e-12)
+    assert math.isclose(got, naive_js(a, b), rel_tol=1e-12)
+
+
+def test_js_divergence_identical_disjoint_and_zero_rows():
+    p = torch.tensor([[0.1, 0.2, 0.7], [1.0, 0.0, 0.0], [0.3, 0.3, 0.4], [0.0, 0.0, 0.0], [0.5, 0.5, 0.0]])
+    q = torch.tensor([[0.2, 0.4, 1.4], [0.0, 0.5, 0.5], [0.0, 0.0, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]])
+    js = F.js_divergence(p, q)
+    assert js.shape == (5,)
+    torch.testing.assert_close(js, torch.tensor([0.0, math.log(2), 0.0, 0.0, math.log(2)]), rtol=1e-6, atol=1e-6)
+    assert float(F.js_divergence(torch.zeros(3), torch.zeros(3))) == 0.0
+
+
+def test_js_divergence_matches_naive_on_random_rows():
+    g = torch.Generator().manual_seed(13)
+    p = torch.rand(3, 4, 6, generator=g, dtype=torch.float64)
+    q = torch.rand(3, 4, 6, generator=g, dtype=torch.float64)
+    p[0, 1, :3] = 0
+    q[2, 2, 3:] = 0
+    js = F.js_divergence(p, q)
+    expected = torch.tensor(
+        [[naive_js(p[x, y].tolist(), q[x, y].tolist()) for y in range(4)] for x in range(3)], dtype=torch.float64
+    )
+    torch.testing.assert_close(js, expected, rtol=1e-10, atol=1e-12)
+    assert (js >= 0).all() and (js <= math.log(2) + 1e-12).all()
+
+
+def _random_drift_case(seed, heads=None, v=6):
+    g = torch.Generator().manual_seed(seed)
+    shape = (v, v) if heads is None else (heads, v, v)
+    current = torch.rand(shape, generator=g, dtype=torch.float64)
+    reference = torch.rand(shape, generator=g, dtype=torch.float64)
+    current_count = torch.tensor([5, 1, 7, 0, 3, 9])[:v]
+    reference_count = torch.tensor([4, 6, 2, 8, 3, 0])[:v]
+    return current, reference, current_count, reference_count
+
+
+def test_attention_drift_is_zero_for_identical_epochs():
+    current, _, current_count, reference_count = _random_drift_case(14)
+    js, frob = F.attention_drift(current, current.clone(), current_count, reference_count, min_support=1)
+    assert abs(float(js)) < 1e-12 and float(frob) == 0.0
+
+
+def test_attention_drift_matches_naive_loop_with_rows_below_min_support():
+    current, reference, current_count, reference_count = _random_drift_case(15)
+    for min_support in (1, 3, 5):
+        js, frob = F.attention_drift(current, reference, current_count, reference_count, min_support=min_support)
+        rjs, rfrob = naive_drift(current, reference, current_count, reference_count, min_support)
+        assert math.isclose(float(js), rjs, rel_tol=1e-10), min_support
+        assert math.isclose(float(frob), rfrob, rel_tol=1e-10)
+    # min_support = 3 keeps rows 0, 2, 4 only: weights Q_t = 5, 0 (Q_s[2] = 2 < 3), 3 -> rows 0 and 4
+    js, _ = F.attention_drift(current, reference, current_count, reference_count, min_support=3)
+    by_rows = (5 * naive_js(current[0].tolist(), reference[0].tolist())) + 3 * naive_js(
+        current[4].tolist(), reference[4].tolist()
+    )
+    assert math.isclose(float(js), by_rows / 8, rel_tol=1e-10)
+
+
+def test_attention_drift_no_supported_row_and_zero_reference_give_zero():
+    current, reference, current_count, reference_count = _random_drift_case(16)
+    js, frob = F.attention_drift(current, reference, current_count, reference_count, min_support=100)
+    assert float(js) == 0.0 and float(frob) > 0
+    js, frob = F.attention_drift(current, torch.zeros_like(reference), current_count, reference_count)
+    assert float(js) == 0.0 and float(frob) == 0.0
+
+
+def test_attention_drift_batched_heads_gives_per_head_values():
+    current, reference, current_count, reference_count = _random_drift_case(17, heads=3)
+    js, frob = F.attention_drift(current, reference, current_count, reference_count, min_support=2)
+    assert js.shape == (3,) and frob.shape == (3,)
+    for h in range(3):
+        rjs, rfrob = naive_drift(current[h], reference[h], current_count, reference_count, 2)
+        assert math.isclose(float(js[h]), rjs, rel_tol=1e-10)
+        assert math.isclose(float(frob[h]), rfrob, rel_tol=1e-10)
+
+
+def test_moved_tokens_orders_by_js_and_keeps_supported_rows_only():
+    current, reference, current_count, reference_count = _random_drift_case(18)
+    moved = F.moved_tokens(current, reference, current_count, reference_count, k=10, min_support=3)
+    supported = [a for a in range(6) if current_count[a] >= 3 and reference_count[a] >= 3]
+    assert supported == [0, 4]
+    expected = sorted(
+        ((a, naive_js(current[a].tolist(), reference[a].tolist())) for a in supported), key=lambda t: -t[1]
+    )
+    assert [a for a, _ in moved] == [a for a, _ in expected]
+    for (_, got), (_, ref) in zip(moved, expected, strict=True):
+        assert math.isclose(got, ref, rel_tol=1e-10)
+    everything = F.moved_tokens(current, reference, current_count, reference_count, k=10, min_support=1)
+    assert sorted(a for a, _ in everything) == [0, 1, 2, 4]  # Q_t[3] = 0 and Q_s[5] = 0 drop rows 3 and 5
+    scores = [s for _, s in everything]
+    assert scores == sorted(scores, reverse=True)
+    top = F.moved_tokens(current, reference, current_count, reference_count, k=1, min_support=1)
+    assert top == everything[:1]
+
+
+def test_moved_tokens_hand_computed_with_ties():
+    current = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, 1.0], [1.0, 0.0]])
+    reference = torch.tensor([[0.0, 1.0], [0.5, 0.5], [1.0, 0.0], [0.0, 1.0]])
+    counts = torch.tensor([2, 2, 2, 1])
+    moved = F.moved_tokens(current, reference, counts, counts, k=5, min_support=2)
+    # rows 0 and 2 are disjoint (log 2, tie: smaller id first), row 1 unchanged, row 3 unsupported
+    assert [a for a, _ in moved] == [0, 2, 1]
+    assert all(math.isclose(s, math.log(2), rel_tol=1e-6) for _, s in moved[:2])
+    assert abs(moved[2][1]) < 1e-7
+    assert F.moved_tokens(current, reference, counts, counts, k=5, min_support=3) == []
+
+
+def test_position_statistics_matches_loop_definitions():
+    weights, qi, ki, qv, kv = random_case(3, 4, 7, 7, 5, 5, causal=True, seed=19)
+    _, _, Q, _, P, _ = run_full(weights, qi, ki, qv, kv, 5, 5)
+    ref = naive_position_sums(weights, qv, kv)
+    rows = sum(1 for n in range(3) for i in range(7) if _row_kept(weights, qv, n, i))
+    assert int(Q.sum()) == rows
+    stats = F.position_statistics(P, Q)
+    assert set(stats) == {"entropy", "entropy_normalized", "self", "previous", "next", "distance"}
+    expected = {
+        "entropy": ref[0] / rows,
+        "entropy_normalized": ref[0] / ref[1],
+        "self": ref[2] / rows,
+        "previous": ref[3] / rows,
+        "next": ref[4] / rows,
+        "distance": ref[5] / rows,
+    }
+    for name, value in expected.items():
+        assert stats[name].shape == (4,)
+        torch.testing.assert_close(stats[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # causal: nothing on the next position, and a normalised entropy in (0, 1]
+    assert (stats["next"] == 0).all()
+    assert ((stats["entropy_normalized"] > 0) & (stats["entropy_normalized"] <= 1 + 1e-6)).all()
+
+
+def test_position_statistics_hand_computed_previous_token_head_and_uniform_head():
+    # 2 sequences of lengths 4 and 3 (one padded position), causal; head 0 one-hot on the previous position (row 0:
+    # itself), head 1 uniform over positions 0..i, which makes every causal key visible.
+    weights, ids, _, valid, _ = masked_case(2, 2, [4, 3], vocab=4, causal=True, uniform=True, seed=20)
+    weights[:, 0] = 0.0
+    for i in range(4):
+        weights[:, 0, i, max(i - 1, 0)] = 1.0
+    _, _, Q, _, P, _ = run_full(weights, ids, ids, valid, valid, 4, 4)
+    stats = F.position_statistics(P, Q)
+    rows = [0, 1, 2, 3, 0, 1, 2]  # positions of the 7 valid query rows
+    r = len(rows)
+    expected = {
+        "entropy": [0.0, sum(math.log(i + 1) for i in rows) / r],
+        "entropy_normalized": [0.0, 1.0],
+        "self": [2 / r, sum(1 / (i + 1) for i in rows) / r],
+        "previous": [5 / r, sum(1 / (i + 1) for i in rows if i > 0) / r],
+        "next": [0.0, 0.0],
+        "distance": [5 / r, sum(i / 2 for i in rows) / r],
+    }
+    for name, value in expected.items():
+        torch.testing.assert_close(stats[name], torch.tensor(value, dtype=torch.float64), msg=name)
+
+
+def test_position_statistics_no_rows_gives_zeros():
+    stats = F.position_statistics(torch.zeros(6, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.long))
+    assert all((v == 0).all() and v.shape == (2,) for v in stats.values())
+
+
+def test_sink_mass_is_one_when_every_query_attends_only_to_token_zero():
+    g = torch.Generator().manual_seed(21)
+    weights, ids, _, valid, _ = masked_case(3, 2, [5, 3, 4], vocab=4, causal=False, seed=21)
+    ids = torch.where(valid, torch.randint(1, 4, ids.shape, generator=g), -100)
+    sink_position = [2, 0, 3]
+    weights = torch.zeros_like(weights)
+    for n, j in enumerate(sink_position):
+        ids[n, j] = 0
+        weights[n, :, :, j] = 1.0
+    S, _, Q, _, _, _ = run_full(weights, ids, ids, valid, valid, 4, 4)
+    torch.testing.assert_close(F.sink_mass(S, Q, torch.tensor([0])), torch.ones(2))
+    torch.testing.assert_close(F.sink_mass(S.mean(0), Q, torch.tensor([0])), torch.tensor(1.0))
+    torch.testing.assert_close(F.sink_mass(S, Q, torch.tensor([1, 2, 3])), torch.zeros(2))
+    torch.testing.assert_close(F.in_degree(S, Q), torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 2))
+
+
+def test_sink_mass_hand_computed():
+    S = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])  # (H=1, Vq=2, Vk=3)
+    Q = torch.tensor([1, 1])
+    torch.testing.assert_close(F.sink_mass(S, Q, torch.tensor([0])), torch.tensor([0.6 / 2]))
+    torch.testing.assert_close(F.sink_mass(S, Q, torch.tensor([0, 2])), torch.tensor([1.6 / 2]))
+    assert float(F.sink_mass(S, torch.zeros(2, dtype=torch.long), torch.tensor([0]))[0]) == 0.0
+
+
+def test_in_degree_matches_loop_and_sums_to_one_over_keys():
+    case = masked_case(3, 2, [6, 4, 5], vocab=5, causal=True, seed=22)  # padded keys get exactly 0
+    S, _, Q, _, _, _ = run_full(*case, 5, 5)
+    deg = F.in_degree(S, Q)
+    assert deg.shape == (2, 5)
+    total = float(Q.sum())
+    expected = torch.tensor([[sum(float(S[h, a, b]) for a in range(5)) / total for b in range(5)] for h in range(2)])
+    torch.testing.assert_close(deg, expected)
+    torch.testing.assert_close(deg.sum(-1), torch.ones(2))
+    # with key padding that still receives weight, the missing mass is the padding's share
+    weights, qi, ki, qv, kv = random_case(3, 2, 6, 6, 5, 5, seed=23)
+    S, _, Q, _ = run(weights, qi, ki, qv, kv, 5, 5)
+    lost = sum(
+        float(weights[n, h, i, j])
+        for n in range(3)
+        for h in range(2)
+        for i in range(6)
+        for j in range(6)
+        if qv[n, i] and not kv[n, j]
+    )
+    torch.testing.assert_close(F.in_degree(S, Q).sum(), torch.tensor(2 - lost / float(Q.sum())))
+
+
+def naive_pagerank(matrix, damping):
+    """Leading left eigenvector of the Google matrix, in numpy float64."""
+    import numpy as np
+
+    p = np.asarray(matrix, dtype=np.float64)
+    v = p.shape[0]
+    out = p.sum(axis=1, keepdims=True)
+    t = np.where(out > 0, p / np.where(out > 0, out, 1.0), 1.0 / v)
+    google = damping * t + (1 - damping) / v
+    values, vectors = np.linalg.eig(google.T)
+    lead = vectors[:, np.argmin(np.abs(values - 1))].real
+    return lead / lead.sum()
+
+
+def test_pagerank_matches_numpy_eigenvector():
+    g = torch.Generator().manual_seed(24)
+    for v, damping in ((5, 0.85), (7, 0.5), (4, 0.0), (6, 0.95)):
+        matrix = torch.rand(v, v, generator=g) * (torch.rand(v, v, generator=g) > 0.4)
+        matrix[1] = 0  # a dangling token: jumps uniformly
+        rank = F.pagerank(matrix, damping=damping)
+        assert rank.dtype == torch.float64 and rank.shape == (v,)
+        expected = torch.from_numpy(naive_pagerank(matrix.numpy(), damping))
+        torch.testing.assert_close(rank, expected, rtol=0, atol=1e-8)
+        assert math.isclose(float(rank.sum()), 1.0, rel_tol=1e-12)
+
+
+def test_pagerank_docstring_example_and_uniform_cases():
+    rank = F.pagerank(torch.tensor([[0.0, 1.0], [0.0, 1.0]]), damping=0.5)
+    # pi_0 = 0.25 + 0.5 * 0 ; pi_1 = 0.25 + 0.5 * (pi_0 + pi_1)
+    torch.testing.assert_close(rank, torch.tensor([0.25, 0.75], dtype=torch.float64), rtol=0, atol=1e-9)
+    torch.testing.assert_close(F.pagerank(torch.zeros(4, 4)), torch.full((4,), 0.25, dtype=torch.float64))
+    torch.testing.assert_close(F.pagerank(torch.ones(3, 3)), torch.full((3,), 1 / 3, dtype=torch.float64))
+
+
+def test_pagerank_rejects_bad_shape_and_damping():
+    import pytest
+
+    for bad in (torch.zeros(2, 3), torch.zeros(2, 2, 2), torch.zeros(3)):
+        with pytest.raises(ValueError, match="shape"):
+            F.pagerank(bad)
+    for damping in (1.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="damping"):
+            F.pagerank(torch.ones(2, 2), damping=damping)
+
+
+def test_top_pairs_orders_by_score_and_filters_by_support():
+    score = torch.tensor([[0.5, 3.0, 1.0], [2.0, 0.1, 3.0], [-1.0, 4.0, 2.0]], dtype=torch.float64)
+    counts = torch.tensor([[5, 5, 1], [5, 5, 5], [5, 2, 5]])
+    pairs = F.top_pairs(score, counts, k=10, min_support=3)
+    # (2, 1) = 4.0 and (0, 2) = 1.0 are below support; ties at 3.0 and 2.0: smaller flat index first
+    assert pairs == [(0, 1, 3.0), (1, 2, 3.0), (1, 0, 2.0), (2, 2, 2.0), (0, 0, 0.5), (1, 1, 0.1), (2, 0, -1.0)]
+    assert F.top_pairs(score, counts, k=2, min_support=3) == [(0, 1, 3.0), (1, 2, 3.0)]
+    assert F.top_pairs(score, counts, k=2, min_support=1)[0] == (2, 1, 4.0)
+    assert F.top_pairs(score, counts, k=3, min_support=6) == []
+
+
+def test_top_pairs_rectangular_matrix():
+    score = torch.tensor([[0.2, 0.9, 0.4, 0.7], [0.8, 0.1, 0.3, 0.6]])
+    counts = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])
+    assert F.top_pairs(score, counts, k=3) == [
+        (1, 0, float(score[1, 0])),
+        (0, 3, float(score[0, 3])),
+        (1, 3, float(score[1, 3])),
+    ]
+
+
+def test_position_statistics_normalised_entropy_stays_at_most_one_when_ignored_keys_get_weight():
+    # one query row, weights [0.3, 0.3, 0.4], the third key ignored: over the valid keys the row is [0.5, 0.5]
+    weights = torch.tensor([[[[0.3, 0.3, 0.4]]]])
+    ids = torch.tensor([[0]]), torch.tensor([[0, 1, 2]])
+    valid = torch.tensor([[True]]), torch.tensor([[True, True, False]])
+    *_, P, _ = run_full(weights, *ids, *valid, 1, 3)
+    stats = F.position_statistics(P, torch.tensor([1]))
+    assert math.isclose(float(stats["entropy"][0]), math.log(2), rel_tol=1e-6)  # float32 weights
+    assert math.isclose(float(stats["entropy_normalized"][0]), 1.0, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="square \\(V, V\\) matrix for PageRank, but got shape \\(\\)"):
+        F.pagerank(torch.tensor(1.0))
