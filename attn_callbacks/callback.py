@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +20,7 @@ from torch import Tensor, nn
 from attn_callbacks import functional as F
 from attn_callbacks import render
 from attn_callbacks.capture import AttentionCapture, find_attention_modules
-from attn_callbacks.metrics import AttentionAccumulator, AttentionStats
+from attn_callbacks.metrics import AttentionAccumulator, AttentionStats, merge_stats
 from attn_callbacks.render import TokenLabels
 from attn_callbacks.tokens import (
     TokenSource,
@@ -105,6 +108,11 @@ class AttentionMonitor(Callback):
         export: also save the raw sums and counts of every monitored epoch as ``"pt"`` or ``"npz"`` files (read them
             back with :func:`attn_callbacks.load_epoch`); None to save nothing.
         export_dir: where the files go; ``{logger log_dir}/attention_epochs`` when None.
+        monitor_test: also monitor ``trainer.test()`` epochs, logged under ``{prefix}_test...`` tags (never drift
+            epochs). ``predict`` is never monitored.
+
+    With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
+    tags without suffix show all of them combined (drift, probe and export use the combined view).
 
     Example:
         >>> monitor = AttentionMonitor(vocab_size=100, token_ids="input_ids", ignore_ids=[0])
@@ -136,6 +144,7 @@ class AttentionMonitor(Callback):
         probe_samples: int = 1,
         export: Literal["pt", "npz"] | None = None,
         export_dir: str | None = None,
+        monitor_test: bool = False,
     ) -> None:
         self._getters = stream_getters(token_ids)
         self._vocab = resolve_vocab_sizes(vocab_size, list(self._getters))
@@ -191,11 +200,14 @@ class AttentionMonitor(Callback):
             raise ValueError(f"Expected argument `export` to be 'pt', 'npz' or None, but got {export!r}")
         self.export = export
         self.export_dir = export_dir
+        self.monitor_test = bool(monitor_test)
 
         self._attention: dict[str, nn.MultiheadAttention] = {}
         self._streams_of: dict[str, tuple[str, str]] = {}
-        self._metrics: dict[str, AttentionAccumulator] = {}
+        self._metrics: dict[tuple[str, int], AttentionAccumulator] = {}  # (module, dataloader_idx) -> sums
         self._capture: AttentionCapture | None = None
+        self._dataloader_idx = 0
+        self._stage_prefix = self.prefix  # f"{prefix}_test" while a test epoch is monitored
         self._batch: Any = None
         self._batch_ids: dict[str, tuple[Tensor, Tensor]] = {}
         self._warned: set[str] = set()
@@ -209,6 +221,32 @@ class AttentionMonitor(Callback):
         self._probe_weights: dict[str, Tensor] = {}
         self._probe_capturing = False  # the current batch is the probe: copy its weights
         self._probe_only = False  # running probe_forward: copy weights, do not accumulate
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.
+        for argument, value in (
+            ("token_ids", self._getters),
+            ("id_to_token", self._labels),
+            ("probe", self.probe),
+            ("probe_forward", self.probe_forward),
+        ):
+            try:
+                pickle.dumps(value)
+            except Exception as err:
+                raise TypeError(
+                    f"AttentionMonitor argument `{argument}` cannot be pickled ({err}), which strategy='ddp_spawn' "
+                    "needs to start its processes: use a module-level function or a batch key instead of a lambda "
+                    "or local function, or strategy='ddp'"
+                ) from err
+        return self.__dict__.copy()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AttentionMonitor:
+        # Deep copies need no pickling: skip __getstate__'s check so lambdas stay fine there.
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            setattr(clone, key, copy.deepcopy(value, memo))
+        return clone
 
     @property
     def state_key(self) -> str:
@@ -243,18 +281,56 @@ class AttentionMonitor(Callback):
         self._capture = AttentionCapture(self._attention, self._consume)
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._capture is None or not self._monitored(trainer):
+        if self._monitored(trainer):
+            self._start(trainer, self.prefix)
+
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.monitor_test:
+            self._start(trainer, f"{self.prefix}_test")
+
+    def on_test_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.on_validation_epoch_end(trainer, pl_module)
+
+    def _start(self, trainer: Trainer, stage_prefix: str) -> None:
+        """Fresh sums for every (module, dataloader) on the module's device, then attach the hooks."""
+        if self._capture is None:
             return
+        # Known before the epoch starts, and the same on every rank, so DDP ranks hold the same metrics.
+        if trainer.testing:
+            batches = trainer.num_test_batches
+        else:
+            batches = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        loaders = max(len(batches), 1)
+        self._stage_prefix = stage_prefix
         with torch.inference_mode(False):  # state tensors must be normal tensors, not inference tensors
             for name, module in self._attention.items():
                 device = _module_device(module)
-                metric = self._metrics.get(name)
-                if metric is None:
-                    query_stream, key_stream = self._streams_of[name]
-                    metric = AttentionAccumulator(module.num_heads, self._vocab[query_stream], self._vocab[key_stream])
-                    self._metrics[name] = metric
-                metric.to(device)
-                metric.reset()
+                for idx in range(loaders):
+                    metric = self._metrics.get((name, idx))
+                    if metric is None:
+                        query_stream, key_stream = self._streams_of[name]
+                        sizes = (module.num_heads, self._vocab[query_stream], self._vocab[key_stream])
+                        metric = self._metrics[(name, idx)] = AttentionAccumulator(*sizes)
+                    metric.to(device)
+                    metric.reset()
+        for key in [key for key in self._metrics if key[1] >= loaders]:  # fewer loaders than last time
+            del self._metrics[key]
         self._probe_weights.clear()
         self._capture.attach()
 
@@ -264,10 +340,12 @@ class AttentionMonitor(Callback):
         self._batch = batch
         self._batch_ids.clear()
         self._probe_capturing = False
+        self._dataloader_idx = dataloader_idx
         if self._capture is not None and self._capture.attached:
             # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
             ids = {stream: self._stream_ids(stream, pl_module.device)[0] for stream in self._used_streams()}
-            if self.probe == "first" and batch_idx == 0 and dataloader_idx == 0 and not trainer.sanity_checking:
+            first = batch_idx == 0 and dataloader_idx == 0 and not (trainer.sanity_checking or trainer.testing)
+            if self.probe == "first" and first:
                 self._probe_capturing = self._match_probe(ids)
 
     def on_validation_batch_end(
@@ -286,8 +364,9 @@ class AttentionMonitor(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._capture is None or not self._capture.attached:
             return
+        drift_epoch = not (trainer.sanity_checking or trainer.testing)
         try:
-            if self.probe is not None and self.probe != "first" and not trainer.sanity_checking:
+            if self.probe is not None and self.probe != "first" and drift_epoch:
                 self._run_probe(pl_module)
         finally:
             self._release()
@@ -298,25 +377,40 @@ class AttentionMonitor(Callback):
                 "AttentionMonitor: no TensorBoardLogger in the Trainer, so heatmaps and tables are "
                 "skipped; scalars are still logged to the Trainer's loggers.",
             )
-        drift_epoch = not trainer.sanity_checking
-        epoch = trainer.current_epoch
-        all_stats = {name: metric.compute() for name, metric in self._metrics.items()}  # a collective under DDP
-        for name, stats in all_stats.items():
-            self._log_module(
-                pl_module, name, stats, writer if trainer.is_global_zero else None, trainer.global_step, drift_epoch
+        writer = writer if trainer.is_global_zero else None
+        with warnings.catch_warnings():  # a dataloader with no batch on this rank is fine: its sums are zeros
+            warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+            per_loader = {key: metric.compute() for key, metric in self._metrics.items()}  # a collective under DDP
+        loaders = 1 + max(idx for _, idx in per_loader)
+        all_stats = {
+            name: merge_stats([per_loader[(name, idx)] for idx in range(loaders)]) if loaders > 1 else stats
+            for (name, idx), stats in per_loader.items()
+            if idx == 0
+        }
+        if not any(int(stats.query_count.sum()) for stats in all_stats.values()):
+            self._warn_once(
+                "empty",
+                "AttentionMonitor: no valid query token was seen in this epoch (empty dataloaders, or every id in "
+                "`ignore_ids`), so nothing is logged for it.",
             )
+            self._reset_sums()
+            return
+        step = trainer.global_step
+        for name, stats in all_stats.items():
+            self._log_module(pl_module, name, stats, writer, step, drift_epoch)
+            if loaders > 1:
+                for idx in range(loaders):
+                    suffix = f"/dataloader_idx_{idx}"
+                    self._log_module(pl_module, name, per_loader[(name, idx)], writer, step, False, suffix)
         if drift_epoch:
             if self.export is not None and trainer.is_global_zero:
                 self._export(trainer, all_stats)
-            self._remember(all_stats, epoch)
-        for metric in self._metrics.values():
-            metric.reset()
-        self._probe_weights.clear()
+            self._remember(all_stats, trainer.current_epoch)
+        self._reset_sums()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._release()
-        for metric in self._metrics.values():
-            metric.reset()
+        self._reset_sums()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release()
@@ -350,6 +444,11 @@ class AttentionMonitor(Callback):
         if trainer.sanity_checking:
             return self.log_sanity_check
         return trainer.current_epoch % self.log_every_n_epochs == 0
+
+    def _reset_sums(self) -> None:
+        for metric in self._metrics.values():
+            metric.reset()
+        self._probe_weights.clear()
 
     def _used_streams(self) -> list[str]:
         return list(dict.fromkeys(s for pair in self._streams_of.values() for s in pair))
@@ -433,7 +532,7 @@ class AttentionMonitor(Callback):
         if self._probe_capturing or self._probe_only:
             self._probe_weights[name] = weights[: self.probe_samples].detach().float().cpu()
         if not self._probe_only:
-            self._metrics[name].update(weights, query_ids, key_ids, query_valid, key_valid)
+            self._metrics[(name, self._dataloader_idx)].update(weights, query_ids, key_ids, query_valid, key_valid)
 
     def _remember(self, all_stats: dict[str, AttentionStats], epoch: int) -> None:
         """Keep this epoch's ``P`` as the previous one, and as the reference when it is the reference epoch."""
@@ -469,8 +568,17 @@ class AttentionMonitor(Callback):
 
     # ------------------------------------------------------------------------------------------------------- logging
     def _log_module(
-        self, pl_module: LightningModule, name: str, stats: AttentionStats, writer: Any, step: int, drift: bool
+        self,
+        pl_module: LightningModule,
+        name: str,
+        stats: AttentionStats,
+        writer: Any,
+        step: int,
+        drift: bool,
+        suffix: str = "",
     ) -> None:
+        if int(stats.query_count.sum()) == 0:
+            return  # nothing seen by this module (or this dataloader): no numbers to log
         layer = name or "attention"
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
@@ -483,15 +591,16 @@ class AttentionMonitor(Callback):
         if previous is not None and tuple(previous["attention_mass"].shape) != tuple(mass_heads.shape):
             previous = reference = None  # a different model under the same name: nothing comparable
 
+        prefix = self._stage_prefix
         scalars: dict[str, Tensor] = {
-            f"{self.prefix}_skipped_rows/{layer}": stats.skipped_rows.float(),
+            f"{prefix}_skipped_rows/{layer}{suffix}": stats.skipped_rows.float(),
         }
 
         def add(tag: str, layer_value: Tensor, head_values: Tensor | None = None) -> None:
-            scalars[f"{self.prefix}_{tag}/{layer}"] = layer_value
+            scalars[f"{prefix}_{tag}/{layer}{suffix}"] = layer_value
             if self.per_head and head_values is not None:
                 for h, value in enumerate(head_values):
-                    scalars[f"{self.prefix}_{tag}/{layer}/head_{h}"] = value
+                    scalars[f"{prefix}_{tag}/{layer}/head_{h}{suffix}"] = value
 
         add("entropy", F.row_entropy(mass, query_count), F.row_entropy(mass_heads, query_count))
         if square:
@@ -515,7 +624,9 @@ class AttentionMonitor(Callback):
             add(f"drift/js_{which}", js, js_heads)
             add(f"drift/frobenius_{which}", frobenius, frobenius_heads)
         for tag, value in scalars.items():
-            pl_module.log(tag, value.float(), on_step=False, on_epoch=True, sync_dist=False)
+            # Already summed over ranks by compute(): sync_dist would only average equal numbers. Our own
+            # dataloader suffixes replace Lightning's, which would otherwise append one for the current dataloader.
+            pl_module.log(tag, value.float(), on_step=False, on_epoch=True, sync_dist=False, add_dataloader_idx=False)
         self._check_collapse(name, positions["entropy_normalized"], query_count)
         if int(stats.skipped_rows) > 0:
             self._warn_once(
@@ -524,7 +635,9 @@ class AttentionMonitor(Callback):
                 "weights (fully masked rows?) and were left out of the sums",
             )
         if writer is not None:
-            self._write_images_and_text(writer, name, layer, stats, mass, mass_heads, previous, reference, step)
+            self._write_images_and_text(
+                writer, name, layer, stats, mass, mass_heads, previous, reference, step, prefix, suffix
+            )
 
     def _check_collapse(self, name: str, entropy_normalized: Tensor, query_count: Tensor) -> None:
         if self.entropy_collapse_threshold <= 0 or int(query_count.sum()) == 0:
@@ -549,12 +662,15 @@ class AttentionMonitor(Callback):
         previous: dict[str, Tensor] | None,
         reference: dict[str, Tensor] | None,
         step: int,
+        prefix: str,
+        suffix: str,
     ) -> None:
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
         images: dict[str, Any] = {}
         texts: dict[str, str] = {}
-        self._probe_images(images, name, layer)
+        if not suffix:
+            self._probe_images(images, name, layer)
         rows = F.top_tokens(stats.query_count, self.top_k)
         key_frequency = stats.pair_count.sum(dim=0)
         cols = rows if square else F.top_tokens(key_frequency, self.top_k)
@@ -568,37 +684,38 @@ class AttentionMonitor(Callback):
             def draw(matrix: Tensor, title: str, colour: str, diverging: bool = False) -> Any:
                 return render.heatmap(block(matrix), row_labels, col_labels, f"{layer}: {title}", colour, diverging)
 
-            images[f"{self.prefix}_mass/{layer}"] = draw(mass, "attention mass P (mean of heads)", "P[query, key]")
+            images[f"{prefix}_mass/{layer}"] = draw(mass, "attention mass P (mean of heads)", "P[query, key]")
             if self.per_head:
-                images[f"{self.prefix}_mass_heads/{layer}"] = render.head_grid(
+                images[f"{prefix}_mass_heads/{layer}"] = render.head_grid(
                     block(mass_heads), row_labels, col_labels, f"{layer}: attention mass P per head", "P[query, key]"
                 )
             if square:
-                images[f"{self.prefix}_asymmetry_map/{layer}"] = draw(
+                images[f"{prefix}_asymmetry_map/{layer}"] = draw(
                     mass - mass.T, "P - Pᵀ (red: query attends to key more than back)", "P[a, b] - P[b, a]", True
                 )
             lift = F.lift(stats.attention_sum.mean(dim=0), stats.uniform_sum)
             # log2 lift, blank where the pair was never visible (no evidence either way).
             log_lift = torch.where(stats.pair_count > 0, torch.log2(lift.clamp(min=1e-6)), float("nan"))
-            images[f"{self.prefix}_lift_map/{layer}"] = draw(
+            images[f"{prefix}_lift_map/{layer}"] = draw(
                 log_lift, "log2 lift over uniform attention (red: more than chance)", "log2(S / U)", True
             )
             if reference is not None:
                 ref_mass = reference["attention_mass"].to(mass.device).mean(dim=0)
-                images[f"{self.prefix}_drift_map/{layer}"] = draw(
+                images[f"{prefix}_drift_map/{layer}"] = draw(
                     mass - ref_mass,
                     f"P now - P at epoch {self._reference_epoch} (red: attends more now)",
                     "P_t - P_ref",
                     True,
                 )
         if self.num_pairs:
-            texts.update(self._tables(name, layer, stats, mass, previous, reference))
+            texts.update(self._tables(name, layer, stats, mass, previous, reference, prefix))
         for tag, figure in images.items():
-            writer.add_image(tag, render.figure_to_array(figure), step, dataformats="HWC")
+            writer.add_image(tag + suffix, render.figure_to_array(figure), step, dataformats="HWC")
         for tag, text in texts.items():
-            writer.add_text(tag, text, step)
+            writer.add_text(tag + suffix, text, step)
 
     def _probe_images(self, images: dict[str, Any], name: str, layer: str) -> None:
+        prefix = self._stage_prefix
         weights = self._probe_weights.get(name)
         if weights is None or self._probe_ids is None:
             return
@@ -609,7 +726,7 @@ class AttentionMonitor(Callback):
             q_pos, k_pos = self._valid(q_ids).nonzero()[:, 0], self._valid(k_ids).nonzero()[:, 0]
             per_head = weights[sample][:, q_pos][:, :, k_pos]  # (H, valid Lq, valid Lk)
             panels = torch.cat([per_head.mean(dim=0, keepdim=True), per_head]).numpy()
-            images[f"{self.prefix}_probe/{layer}/sample_{sample}"] = render.head_grid(
+            images[f"{prefix}_probe/{layer}/sample_{sample}"] = render.head_grid(
                 panels,
                 self._label(q_ids[q_pos].tolist(), query_stream),
                 self._label(k_ids[k_pos].tolist(), key_stream),
@@ -626,6 +743,7 @@ class AttentionMonitor(Callback):
         mass: Tensor,
         previous: dict[str, Tensor] | None,
         reference: dict[str, Tensor] | None,
+        prefix: str,
     ) -> dict[str, str]:
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
@@ -648,14 +766,14 @@ class AttentionMonitor(Callback):
                 for a, b, score in F.one_way_pairs(mass, count, self.num_pairs, self.min_support)
             ]
             header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
-            tables[f"{self.prefix}_one_way_pairs/{layer}"] = table(header, rows, f"{needs} in both directions.")
+            tables[f"{prefix}_one_way_pairs/{layer}"] = table(header, rows, f"{needs} in both directions.")
         lift = F.lift(stats.attention_sum.mean(dim=0), stats.uniform_sum)
         rows = [
             (q_label(a), k_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / stats.query_count[a]))
             for a, b, score in F.top_pairs(lift, count, self.num_pairs, self.min_support)
         ]
         header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
-        tables[f"{self.prefix}_lift_pairs/{layer}"] = table(header, rows, f"{needs}.")
+        tables[f"{prefix}_lift_pairs/{layer}"] = table(header, rows, f"{needs}.")
         if reference is not None:
             ref_mass = reference["attention_mass"].to(mass.device).mean(dim=0)
             ref_count = reference["query_count"].to(mass.device)
@@ -683,7 +801,7 @@ class AttentionMonitor(Callback):
                 "top key then",
                 "Q now",
             )
-            tables[f"{self.prefix}_drift_tokens/{layer}"] = table(header, rows, "No query token seen often enough.")
+            tables[f"{prefix}_drift_tokens/{layer}"] = table(header, rows, "No query token seen often enough.")
         degree = F.in_degree(stats.attention_sum.mean(dim=0), stats.query_count)
         if square:
             rank = F.pagerank(mass)
@@ -694,7 +812,7 @@ class AttentionMonitor(Callback):
             order = F.top_tokens(degree, self.num_pairs).tolist()
             rows = [(k_label(b), float(degree[b])) for b in order]
             header = ("key token", "in-degree (share of attention received)")
-        tables[f"{self.prefix}_hubs/{layer}"] = table(header, rows, "No attention recorded.")
+        tables[f"{prefix}_hubs/{layer}"] = table(header, rows, "No attention recorded.")
         return tables
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -10,7 +11,7 @@ from torchmetrics import Metric
 
 from attn_callbacks import functional as F
 
-__all__ = ["AttentionAccumulator", "AttentionStats"]
+__all__ = ["AttentionAccumulator", "AttentionStats", "merge_stats", "stats_from_sums"]
 
 
 class AttentionStats(NamedTuple):
@@ -37,6 +38,38 @@ class AttentionStats(NamedTuple):
     mean_weight: Tensor
     uniform_sum: Tensor
     position_sums: Tensor
+
+
+_SUMS = ("attention_sum", "pair_count", "query_count", "skipped_rows", "uniform_sum", "position_sums")
+
+
+def stats_from_sums(
+    attention_sum: Tensor,
+    pair_count: Tensor,
+    query_count: Tensor,
+    skipped_rows: Tensor,
+    uniform_sum: Tensor,
+    position_sums: Tensor,
+) -> AttentionStats:
+    """An :class:`AttentionStats` from the raw sums, with ``P = S / Q`` and ``M = S / C`` derived per head."""
+    return AttentionStats(
+        attention_sum=attention_sum,
+        pair_count=pair_count,
+        query_count=query_count,
+        skipped_rows=skipped_rows,
+        attention_mass=F.attention_mass(attention_sum, query_count),
+        mean_weight=F.mean_weight(attention_sum, pair_count),
+        uniform_sum=uniform_sum,
+        position_sums=position_sums,
+    )
+
+
+def merge_stats(parts: Sequence[AttentionStats]) -> AttentionStats:
+    """The statistics of the union of several disjoint sets of batches (e.g. validation dataloaders): every raw sum
+    added, ``P`` and ``M`` derived again (never averaged)."""
+    if not parts:
+        raise ValueError("Expected at least one AttentionStats to merge, but got none")
+    return stats_from_sums(*(sum(getattr(part, field) for part in parts) for field in _SUMS))
 
 
 class AttentionAccumulator(Metric):
@@ -114,16 +147,7 @@ class AttentionAccumulator(Metric):
 
     def compute(self) -> AttentionStats:
         """The (process-summed) sums and counts, with ``P = S / Q`` and ``M = S / C`` per head."""
-        return AttentionStats(
-            attention_sum=self.attention_sum,
-            pair_count=self.pair_count,
-            query_count=self.query_count,
-            skipped_rows=self.skipped_rows,
-            attention_mass=F.attention_mass(self.attention_sum, self.query_count),
-            mean_weight=F.mean_weight(self.attention_sum, self.pair_count),
-            uniform_sum=self.uniform_sum,
-            position_sums=self.position_sums,
-        )
+        return stats_from_sums(*(getattr(self, field) for field in _SUMS))
 
     def reset(self) -> None:
         """Zero the sums; the fresh states are normal tensors even when called inside inference mode."""

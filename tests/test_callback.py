@@ -1,7 +1,6 @@
 import io
 import math
 
-import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
@@ -339,26 +338,35 @@ def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
         run_validate(tmp_path, unknown, make_batches())
 
 
-def test_callback_nan_rows_are_counted_and_skipped(tmp_path):
+class MaskedRowModel(LightningModule):
+    """Query position 1 may see no key at all: its attention row is NaN on PyTorch's normal path."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def validation_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        mask = torch.zeros(ids.shape[1], ids.shape[1], dtype=torch.bool)
+        mask[1] = True  # True = not allowed to attend
+        x = self.embed(ids)
+        self.attn(x, x, x, attn_mask=mask, need_weights=False)
+
+
+def test_callback_nan_rows_are_counted_skipped_and_warned_once(tmp_path):
+    ids = torch.randint(1, VOCAB, (3, LENGTH), generator=torch.Generator().manual_seed(0))
     monitor = Recorder(VOCAB, "input_ids")
-    model = TinyEncoder()
-    monitor.setup(None, model, "validate")
-    monitor._capture.consumer = monitor._consume
-    batch = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
-    monitor._batch = batch
-    monitor._metrics = {}
-
-    class FakeTrainer:
-        sanity_checking, current_epoch = False, 0
-
-    monitor.on_validation_epoch_start(FakeTrainer(), model)
-    weights = torch.full((1, 2, 3, 3), 1 / 3)
-    weights[0, :, 1] = float("nan")
-    monitor._consume("encoder.layers.0.self_attn", None, weights)
-    monitor._release()
-    metric = monitor._metrics["encoder.layers.0.self_attn"]
-    assert int(metric.skipped_rows) == 1 and int(metric.query_count[1]) == 2
-    assert np.isclose(float(metric.attention_sum[0, 1, 1]), 2.0)
+    t = trainer(tmp_path, [monitor])
+    with pytest.warns(UserWarning, match="6 query rows of attention module 'attn' had non-finite weights") as record:
+        t.validate(MaskedRowModel(), DataLoader([{"input_ids": ids}] * 2, batch_size=None), verbose=False)
+    assert sum("non-finite" in str(w.message) for w in record) == 1
+    stats = monitor.last["attn"]
+    assert int(stats.skipped_rows) == 6 and float(t.callback_metrics["attention_skipped_rows/attn"]) == 6.0
+    assert int(stats.query_count.sum()) == 2 * 3 * (LENGTH - 1)  # the NaN rows are not counted as queries
+    assert torch.isfinite(stats.attention_sum).all()
+    seen = stats.query_count > 0
+    torch.testing.assert_close(stats.attention_mass.sum(-1)[:, seen], torch.ones(2, int(seen.sum())))
 
 
 def drift_scalars(log_dir):
