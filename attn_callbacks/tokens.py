@@ -52,6 +52,12 @@ def resolve_vocab_sizes(vocab_size: int | Mapping[str, int], streams: Sequence[s
     missing = [s for s in streams if s not in sizes]
     if missing:
         raise ValueError(f"Argument `vocab_size` has no entry for stream(s) {missing}; got {dict(vocab_size)!r}")
+    unknown = [s for s in sizes if s not in streams]
+    if unknown:
+        raise ValueError(
+            f"Argument `vocab_size` names stream(s) {unknown} that argument `token_ids` does not define; "
+            f"streams: {list(streams)}"
+        )
     for stream, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             where = "" if not isinstance(vocab_size, Mapping) else f" for stream {stream!r}"

@@ -1,5 +1,9 @@
+import copy
+import gc
 import io
 import math
+import pickle
+import signal
 
 import pytest
 import torch
@@ -42,7 +46,7 @@ class TinyEncoder(LightningModule):
         ids = batch["input_ids"]
         return nn.functional.cross_entropy(self(ids).flatten(0, 1), ids.flatten(), ignore_index=PAD)
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
         if self.fail_in_validation:
             raise RuntimeError("validation failed")
         logits = self(batch["input_ids"])
@@ -298,6 +302,21 @@ def run_validate(tmp_path, monitor, batches, model=None):
             ValueError,
             "module 'encoder.layers.0.self_attn'.*\\(2, 2, 6, 6\\).*\\(2, 5\\)",
         ),
+        ({}, [{"input_ids": torch.ones(2, LENGTH, 1, dtype=torch.long)}], ValueError, "\\(B, L\\).*\\(2, 6, 1\\)"),
+        ({}, [{"input_ids": torch.ones(2, LENGTH, dtype=torch.bool)}], ValueError, "integer token ids.*torch.bool"),
+        ({}, [{"input_ids": [[1, 2]]}], ValueError, "stream 'tokens' to be a Tensor, but got list"),
+        (
+            {"token_ids": lambda b: b["missing"]},
+            [{"input_ids": torch.ones(2, LENGTH, dtype=torch.long)}],
+            RuntimeError,
+            "The `token_ids` callable for stream 'tokens' raised KeyError\\('missing'\\)",
+        ),
+        (
+            {"token_ids": 3},
+            [(torch.ones(2, LENGTH, dtype=torch.long),)],
+            KeyError,
+            "Batch index 3 of argument `token_ids`.*batch of 1 items",
+        ),
     ],
 )
 def test_callback_bad_batch_input_raises_clear_error(tmp_path, kwargs, batches, error, match):
@@ -318,6 +337,11 @@ def test_callback_bad_batch_input_raises_clear_error(tmp_path, kwargs, batches, 
         ({"vocab_size": 5, "top_k": 0}, "`top_k` to be a positive integer, but got 0"),
         ({"vocab_size": 5, "ignore_ids": [0.5]}, "`ignore_ids`.*\\[0.5\\]"),
         ({"vocab_size": 5, "log_every_n_epochs": -1}, "`log_every_n_epochs`.*-1"),
+        ({"vocab_size": {"tokens": 5, "tgt": 3}}, "`vocab_size` names stream\\(s\\) \\['tgt'\\] that argument"),
+        ({"vocab_size": True}, "`vocab_size` to be a positive integer, but got True"),
+        ({"vocab_size": 5, "modules": "encoder.*"}, "`modules` to be a list of fnmatch patterns, but got 'encoder"),
+        ({"vocab_size": 5, "prefix": ""}, "`prefix` to be a non-empty string, but got ''"),
+        ({"vocab_size": 5, "probe_samples": 0}, "`probe_samples` to be a positive integer, but got 0"),
     ],
 )
 def test_callback_bad_arguments_raise_naming_the_argument(kwargs, match):
@@ -336,6 +360,12 @@ def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
     unknown = AttentionMonitor(VOCAB, "input_ids", attention_streams={"*": ("tokens", "nope")})
     with pytest.raises(MisconfigurationException, match="unknown stream\\(s\\) \\['nope'\\]"):
         run_validate(tmp_path, unknown, make_batches())
+    no_match = AttentionMonitor(VOCAB, "input_ids", modules=["decoder.*"])
+    with pytest.raises(MisconfigurationException, match="Pattern 'decoder.\\*' in argument `modules` matched no "):
+        run_validate(tmp_path, no_match, make_batches())
+    not_attention = AttentionMonitor(VOCAB, "input_ids", modules=["head"])
+    with pytest.raises(MisconfigurationException, match="Pattern 'head'.*only modules that are not nn.Multihead"):
+        run_validate(tmp_path, not_attention, make_batches())
 
 
 class MaskedRowModel(LightningModule):
@@ -531,3 +561,168 @@ def test_callback_probe_batch_with_probe_forward_does_not_touch_the_sums(tmp_pat
     events.Reload()
     image = events.Images("attention_probe/transformer.decoder.layers.0.multihead_attn/sample_0")[0]
     assert Image.open(io.BytesIO(image.encoded_image_string)).width > 200
+
+
+class StageModel(TinyEncoder):
+    """Asserts inside its own steps whether attention is hooked."""
+
+    def __init__(self, hooked_in_test=False):
+        super().__init__()
+        self.hooked_in_test = hooked_in_test
+        self.train_losses = []
+
+    def training_step(self, batch, batch_idx):
+        assert no_hooks(self), "training must never be hooked"
+        loss = super().training_step(batch, batch_idx)
+        self.train_losses.append(loss.detach())
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        assert no_hooks(self) != self.hooked_in_test
+        self(batch["input_ids"])
+
+    def predict_step(self, batch, batch_idx):
+        assert no_hooks(self), "predict is never hooked"
+        return self(batch["input_ids"])
+
+
+def test_callback_test_and_predict_are_not_hooked_unless_asked(tmp_path):
+    _, val = loaders()
+    t = trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])])
+    t.test(StageModel(), val, verbose=False)
+    t.predict(StageModel(), val)
+    assert not any(k.startswith("attention") for k in t.callback_metrics)
+    asked = trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], monitor_test=True)])
+    model = StageModel(hooked_in_test=True)
+    asked.test(model, val, verbose=False)
+    assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+    assert "attention_test_entropy/encoder.layers.0.self_attn" in asked.callback_metrics
+    assert not any(k.startswith(("attention_drift", "attention_test_drift")) for k in asked.callback_metrics)
+
+
+def test_callback_keyboard_interrupt_in_validation_leaves_no_hooks_and_no_sums(tmp_path):
+    class Interrupted(TinyEncoder):
+        def validation_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise KeyboardInterrupt
+            return super().validation_step(batch, batch_idx)
+
+    handler = signal.getsignal(signal.SIGINT)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    model = Interrupted()
+    train, val = loaders()
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown after Ctrl+C
+            trainer(tmp_path, [monitor], num_sanity_val_steps=0).fit(model, train, val)
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl+C from then on
+    assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+    assert monitor._metrics and all(int(m.query_count.sum()) == 0 for m in monitor._metrics.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"limit_val_batches": 0},
+        {"fast_dev_run": True},
+        {"num_sanity_val_steps": 2, "limit_val_batches": 1},
+    ],
+    ids=["limit_val_batches=0", "fast_dev_run", "sanity_steps"],
+)
+def test_callback_trainer_exit_paths_leave_no_hooks_and_train_identically(tmp_path, kwargs):
+    losses = []
+    for callbacks in ([], [AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])]):
+        seed_everything(0)
+        model = StageModel()
+        train, val = loaders()
+        trainer(tmp_path, callbacks, **kwargs).fit(model, train, val)
+        assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+        losses.append((torch.stack(model.train_losses), [p.detach().clone() for p in model.parameters()]))
+    (loss_a, params_a), (loss_b, params_b) = losses
+    assert float((loss_a - loss_b).abs().max()) <= 1e-6
+    assert all(float((a - b).abs().max()) <= 1e-6 for a, b in zip(params_a, params_b, strict=True))
+
+
+def test_callback_empty_validation_set_and_all_padding_epoch_log_nothing(tmp_path):
+    train, _ = loaders()
+    model = TinyEncoder()
+    empty = trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])])
+    empty.fit(model, train, DataLoader([], batch_size=None))
+    assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+    assert not any(k.startswith("attention") for k in empty.callback_metrics)
+    padding = [{"input_ids": torch.full((2, LENGTH), PAD)}]
+    t = trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])])
+    with pytest.warns(UserWarning, match="no valid query token was seen in this epoch"):
+        t.validate(TinyEncoder(), DataLoader(padding, batch_size=None), verbose=False)
+    assert not any(k.startswith("attention") for k in t.callback_metrics)
+
+
+class LoaderRecorder(AttentionMonitor):
+    def _log_module(self, pl_module, name, stats, writer, step, drift, suffix=""):
+        self.views = getattr(self, "views", {})
+        self.views[(name, suffix)] = stats
+        super()._log_module(pl_module, name, stats, writer, step, drift, suffix)
+
+
+def test_callback_multiple_validation_dataloaders_kept_apart_and_combined(tmp_path):
+    seed_everything(0)
+    model = TinyEncoder()
+    first, second = make_batches(seed=1), make_batches(n=8, seed=2)
+    monitor = LoaderRecorder(VOCAB, "input_ids", ignore_ids=[PAD], per_head=False)
+    loader = lambda batches: DataLoader(batches, batch_size=None)  # noqa: E731
+    t = trainer(tmp_path, [monitor])
+    t.validate(model, [loader(first), loader(second)], verbose=False)
+    alone = []
+    for batches in (first, second):
+        single = LoaderRecorder(VOCAB, "input_ids", ignore_ids=[PAD], per_head=False)
+        trainer(tmp_path, [single]).validate(model, loader(batches), verbose=False)
+        alone.append(single.views[("encoder.layers.0.self_attn", "")])
+    views = {suffix: stats for (name, suffix), stats in monitor.views.items() if name == "encoder.layers.0.self_attn"}
+    assert sorted(views) == ["", "/dataloader_idx_0", "/dataloader_idx_1"]
+    for idx in range(2):
+        torch.testing.assert_close(views[f"/dataloader_idx_{idx}"].attention_sum, alone[idx].attention_sum)
+    combined = views[""]
+    torch.testing.assert_close(combined.attention_sum, alone[0].attention_sum + alone[1].attention_sum)
+    assert torch.equal(combined.query_count, alone[0].query_count + alone[1].query_count)
+    torch.testing.assert_close(
+        combined.attention_mass, attention_mass(combined.attention_sum, combined.query_count), rtol=0, atol=0
+    )
+    tags = [k for k in t.callback_metrics if k.startswith("attention_entropy/encoder.layers.0.self_attn")]
+    assert sorted(tags) == [
+        "attention_entropy/encoder.layers.0.self_attn",
+        "attention_entropy/encoder.layers.0.self_attn/dataloader_idx_0",
+        "attention_entropy/encoder.layers.0.self_attn/dataloader_idx_1",
+    ]
+
+
+def test_callback_memory_stays_flat_across_batches_and_epochs(tmp_path):
+    class Counter(AttentionMonitor):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            super().on_validation_epoch_end(trainer, pl_module)
+            gc.collect()
+            self.counts = getattr(self, "counts", [])
+            self.counts.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))
+
+    class Lean(TinyEncoder):  # keeps no outputs of its own
+        def validation_step(self, batch, batch_idx):
+            self(batch["input_ids"])
+
+    monitor = Counter(VOCAB, "input_ids", ignore_ids=[PAD], probe="first")
+    train, val = loaders()
+    trainer(tmp_path, [monitor], max_epochs=5, num_sanity_val_steps=0, logger=CSVLogger(tmp_path)).fit(
+        Lean(), train, val
+    )
+    # Drift memory fills up over the first two epochs (reference, then a distinct previous); then nothing grows.
+    assert len(monitor.counts) == 5 and len(set(monitor.counts[2:])) == 1, monitor.counts
+    assert len(monitor._metrics) == 2 and all(
+        m.attention_sum.device.type == "cpu" and m.attention_sum.shape == (2, VOCAB, VOCAB)
+        for m in monitor._metrics.values()
+    )
+
+
+def test_callback_options_that_ddp_spawn_cannot_pickle_raise_naming_the_argument():
+    monitor = AttentionMonitor(VOCAB, token_ids=lambda batch: batch["input_ids"])
+    with pytest.raises(TypeError, match="argument `token_ids` cannot be pickled.*ddp_spawn"):
+        pickle.dumps(monitor)
+    assert copy.deepcopy(monitor)._getters.keys() == monitor._getters.keys()  # deep copies need no pickling
+    assert pickle.loads(pickle.dumps(AttentionMonitor(VOCAB, "input_ids")))._vocab == {"tokens": VOCAB}
