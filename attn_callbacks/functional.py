@@ -115,22 +115,16 @@ def accumulate_attention(
     visible = pair_valid & (masked > 0).any(dim=1)  # (B, Lq, Lk)
     num_visible = visible.sum(dim=-1, keepdim=True)  # (B, Lq, 1)
     if uniform_sum is not None:
-        uniform = visible / num_visible.clamp(min=1)  # (B, Lq, Lk): 1 / #visible on each visible key
+        uniform = visible.to(uniform_sum.dtype) / num_visible.clamp(min=1)  # (B, Lq, Lk): 1 / #visible
         uniform_sum.view(-1).index_add_(0, flat_pair, uniform.reshape(-1).to(uniform_sum.dtype))
     if position_sums is not None:
         len_q, len_k = weights.shape[-2:]
         positions_q = torch.arange(len_q, device=weights.device)
         distance = (positions_q[:, None] - torch.arange(len_k, device=weights.device)[None, :]).abs()  # (Lq, Lk)
         max_entropy = torch.log(num_visible.clamp(min=1).to(masked.dtype)).sum()  # dropped rows have 0 visible
-        # Entropy of p = w / s over the valid keys (s = their mass), without dividing every weight:
-        # H = -Σ p log p = -Σ w log w / s + log s, so H <= log #visible even when ignored keys got weight.
-        row_mass = masked.sum(dim=-1)  # (B, H, Lq)
-        row_entropy = torch.where(
-            row_mass > 0,
-            -torch.special.xlogy(masked, masked).sum(dim=-1) / row_mass.clamp(min=1e-30)
-            + torch.log(row_mass.clamp(min=1e-30)),
-            0.0,
-        )
+        # Entropy of the row renormalised over the valid keys, so H <= log #visible even when ignored keys got weight.
+        renormalised = safe_divide(masked, masked.sum(dim=-1, keepdim=True))  # (B, H, Lq, Lk)
+        row_entropy = -torch.special.xlogy(renormalised, renormalised).sum(dim=-1)  # (B, H, Lq)
         position_sums += torch.stack(
             [
                 row_entropy.sum(dim=(0, 2)),
