@@ -1,0 +1,247 @@
+"""Command line: compare two saved epochs, or export one module's attention graph.
+
+Usage::
+
+    python -m attn_callbacks compare OLD NEW [--modules PATTERN ...] [--top N] [--min-support M] [--per-head]
+    python -m attn_callbacks graph EPOCH_FILE MODULE OUT.graphml [--head H] [--min-weight W]
+
+``OLD``, ``NEW`` and ``EPOCH_FILE`` are ``.pt`` or ``.npz`` files written by :func:`attn_callbacks.save_epoch` (the
+callback's ``export=`` option). Exit status: 0 on success, 2 on bad input (a missing or unreadable file, a module
+that is not in the file, modules whose shapes differ), 1 when networkx is missing for ``graph``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from attn_callbacks import functional as F
+from attn_callbacks.export import EpochRecord, load_epoch
+from attn_callbacks.render import label_tokens
+
+__all__ = ["main"]
+
+
+class _InputError(Exception):
+    """Bad input from the user: reported on stderr with exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (``sys.argv[1:]`` when None) and return its exit status.
+
+    Args:
+        argv: the arguments after ``python -m attn_callbacks``.
+
+    Returns:
+        0 on success, 2 on bad input, 1 when an optional dependency is missing. Never raises ``SystemExit``.
+
+    Example:
+        >>> main(["compare", "missing-old.pt", "missing-new.pt"])  # doctest: +SKIP
+        2
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits on --help (0) and on usage errors (2): callers get the status
+        return int(exit_.code or 0)
+    try:
+        return args.run(args, sys.stdout)
+    except (_InputError, FileNotFoundError, ValueError) as error:
+        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except ImportError as error:
+        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m attn_callbacks",
+        description="Inspect attention epochs saved by attn_callbacks (AttentionMonitor(export='pt' or 'npz')).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    compare = commands.add_parser(
+        "compare",
+        help="attention drift between two saved epochs",
+        description="Drift of the head-averaged attention mass P̄ = mean_h S[h] / Q from OLD to NEW, per module: "
+        "Jensen–Shannon divergence of the rows (nats, weighted by NEW's query counts, rows seen at least "
+        "--min-support times in both epochs) and relative Frobenius change ||P̄_new - P̄_old|| / ||P̄_old||; then "
+        "the query tokens whose attention moved most.",
+    )
+    compare.add_argument("old", metavar="OLD", help="the earlier epoch (.pt or .npz), the reference")
+    compare.add_argument("new", metavar="NEW", help="the later epoch (.pt or .npz)")
+    compare.add_argument(
+        "--modules",
+        nargs="+",
+        metavar="PATTERN",
+        help="fnmatch patterns over module names (default: all in both); give it after OLD NEW",
+    )
+    compare.add_argument(
+        "--top", type=_int_at_least(0), default=10, metavar="N", help="moved query tokens per module (default 10)"
+    )
+    compare.add_argument(
+        "--min-support",
+        type=_int_at_least(1),
+        default=5,
+        metavar="M",
+        help="least query count, in both epochs, for a token to count (default 5, as AttentionMonitor)",
+    )
+    compare.add_argument("--per-head", action="store_true", help="also one drift row per head")
+    compare.set_defaults(run=_compare)
+
+    graph = commands.add_parser(
+        "graph",
+        help="export one module's attention graph as GraphML (needs networkx)",
+        description="Write the directed graph query token -> key token weighted by the attention mass P̄[a, b] "
+        "(head average, or one head) as GraphML, for Gephi, Cytoscape or networkx.",
+    )
+    graph.add_argument("epoch_file", metavar="EPOCH_FILE", help="a saved epoch (.pt or .npz)")
+    graph.add_argument("module", metavar="MODULE", help="the attention module's name, as in the file")
+    graph.add_argument("out", metavar="OUT.graphml", help="the GraphML file to write")
+    graph.add_argument("--head", type=_int_at_least(0), default=None, metavar="H", help="one head (default: mean)")
+    graph.add_argument(
+        "--min-weight", type=float, default=0.0, metavar="W", help="leave out edges with weight <= W (default 0)"
+    )
+    graph.set_defaults(run=_graph)
+    return parser
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+# -------------------------------------------------------------------------------------------------------- compare
+def _compare(args: argparse.Namespace, out: TextIO) -> int:
+    old, new = load_epoch(args.old), load_epoch(args.new)
+    common = [name for name in new.modules if name in old.modules]
+    if args.modules:
+        unmatched = [p for p in args.modules if not any(fnmatch.fnmatchcase(name, p) for name in common)]
+        if unmatched:
+            raise _InputError(f"--modules {unmatched} match no module found in both files (those are: {common})")
+        common = [name for name in common if any(fnmatch.fnmatchcase(name, p) for p in args.modules)]
+    if not common:
+        raise _InputError(f"no module is in both files (OLD has {list(old.modules)}, NEW has {list(new.modules)})")
+    for name in common:
+        old_shape = tuple(old.modules[name].attention_sum.shape)
+        new_shape = tuple(new.modules[name].attention_sum.shape)
+        if old_shape != new_shape:
+            raise _InputError(
+                f"module {name!r} has (heads, query vocab, key vocab) {old_shape} in OLD but {new_shape} in NEW: "
+                "not comparable (leave it out with --modules)"
+            )
+
+    print(f"OLD: {args.old}  (epoch {old.epoch}, step {old.global_step})", file=out)
+    print(f"NEW: {args.new}  (epoch {new.epoch}, step {new.global_step})", file=out)
+    for which, record, other in (("OLD", old, new), ("NEW", new, old)):
+        alone = [name for name in record.modules if name not in other.modules]
+        if alone:
+            print(f"only in {which} (not compared): {', '.join(_display(name) for name in alone)}", file=out)
+    print(file=out)
+    print(
+        "Attention drift OLD -> NEW of P̄ = mean_h S[h] / Q, "
+        f"rows of query tokens seen >= {args.min_support} times in both",
+        file=out,
+    )
+    print("  JS: Jensen–Shannon divergence of the rows, in nats (0 .. ln 2), averaged with weights Q_new", file=out)
+    print("  rel. Frobenius: ||P̄_new - P̄_old|| / ||P̄_old||", file=out)
+    rows = []
+    for name in common:
+        before, after = old.modules[name], new.modules[name]
+        counts = (after.query_count, before.query_count, args.min_support)
+        js, frobenius = F.attention_drift(after.attention_mass.mean(dim=0), before.attention_mass.mean(dim=0), *counts)
+        rows.append((_display(name), "mean", f"{float(js):#.6g}", f"{float(frobenius):#.6g}"))
+        if args.per_head:
+            js_heads, frobenius_heads = F.attention_drift(after.attention_mass, before.attention_mass, *counts)
+            for h, (js_h, frobenius_h) in enumerate(zip(js_heads.tolist(), frobenius_heads.tolist(), strict=True)):
+                rows.append(("", f"head {h}", f"{js_h:#.6g}", f"{frobenius_h:#.6g}"))
+    _print_table(("module", "heads", "JS (nats)", "rel. Frobenius"), rows, out, numeric=(2, 3))
+
+    if args.top == 0:
+        return 0
+    for name in common:
+        before, after = old.modules[name], new.modules[name]
+        mass_old, mass_new = before.attention_mass.mean(dim=0), after.attention_mass.mean(dim=0)
+        moved = F.moved_tokens(mass_new, mass_old, after.query_count, before.query_count, args.top, args.min_support)
+        print(file=out)
+        print(f"{_display(name)}: query tokens whose attention moved most (JS in nats, NEW vs OLD)", file=out)
+        if not moved:
+            print(f"  no query token seen at least {args.min_support} times in both epochs", file=out)
+            continue
+        query_labels, key_labels = _labels(new, name)
+        rows = [
+            (
+                _label(a, query_labels),
+                f"{js:#.6g}",
+                str(int(before.query_count[a])),
+                str(int(after.query_count[a])),
+                _label(int(mass_old[a].argmax()), key_labels),
+                _label(int(mass_new[a].argmax()), key_labels),
+            )
+            for a, js in moved
+        ]
+        header = ("query token", "JS (nats)", "Q old", "Q new", "top key old", "top key new")
+        _print_table(header, rows, out, numeric=(1, 2, 3), indent="  ")
+    return 0
+
+
+def _labels(record: EpochRecord, module: str) -> tuple[list[str] | None, list[str] | None]:
+    query_stream, key_stream = record.streams[module]
+    return record.labels.get(query_stream), record.labels.get(key_stream)
+
+
+def _label(token: int, labels: list[str] | None) -> str:
+    # Whole labels (no trimming), with newlines escaped so a row stays one line.
+    return label_tokens([token], labels, max_length=None)[0]
+
+
+def _display(module: str) -> str:
+    return module or "<root>"  # a bare nn.MultiheadAttention as the model is named ""
+
+
+def _print_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO, numeric: Sequence[int] = (), indent: str = ""
+) -> None:
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = (
+            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+        return indent + "  ".join(padded).rstrip()
+
+    print(line(header), file=out)
+    print(indent + "  ".join("-" * w for w in widths), file=out)
+    for row in rows:
+        print(line(row), file=out)
+
+
+# ---------------------------------------------------------------------------------------------------------- graph
+def _graph(args: argparse.Namespace, out: TextIO) -> int:
+    record = load_epoch(args.epoch_file)
+    if args.module not in record.modules:
+        raise _InputError(
+            f"module {args.module!r} is not in {args.epoch_file} (it has: {', '.join(map(repr, record.modules))})"
+        )
+    path = record.export_graph(args.module, args.out, head=args.head, min_weight=args.min_weight)
+    query_stream, key_stream = record.streams[args.module]
+    kind = "self-attention" if query_stream == key_stream else f"cross-attention {query_stream} -> {key_stream}"
+    head = "head average" if args.head is None else f"head {args.head}"
+    print(f"wrote {path} ({_display(args.module)}, {kind}, {head}, edges with weight > {args.min_weight})", file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

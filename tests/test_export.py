@@ -1,0 +1,351 @@
+import json
+import math
+import sys
+import zipfile
+
+import networkx as nx
+import numpy as np
+import pytest
+import torch
+
+from attn_callbacks import EpochRecord, export_graph, load_epoch, save_epoch
+from attn_callbacks import functional as F
+from attn_callbacks.__main__ import main
+from attn_callbacks.export import FORMAT_VERSION
+from attn_callbacks.metrics import AttentionAccumulator, AttentionStats, stats_from_sums
+
+HEADS, BATCH, LENGTH = 2, 3, 5
+LABELS = ["<s>", "the", "cat", "sat", "on\nthe mat", "."]
+SELF, CROSS = "encoder.layers.0.self_attn", "decoder.layers.0.multihead_attn"
+STREAMS = {SELF: ("src", "src"), CROSS: ("tgt", "src")}
+
+
+def make_batches(seed, vocab_q=6, vocab_k=6, n=4):
+    """Random softmax weights over random token ids, some padding; self-attention when the vocabularies are equal."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        weights = torch.randn(BATCH, HEADS, LENGTH, LENGTH, generator=g).softmax(-1)
+        query_ids = torch.randint(0, vocab_q, (BATCH, LENGTH), generator=g)
+        key_ids = query_ids if vocab_q == vocab_k else torch.randint(0, vocab_k, (BATCH, LENGTH), generator=g)
+        query_valid = torch.ones(BATCH, LENGTH, dtype=torch.bool)
+        query_valid[0, -1] = False
+        key_valid = query_valid if vocab_q == vocab_k else torch.ones(BATCH, LENGTH, dtype=torch.bool)
+        yield weights, query_ids, key_ids, query_valid, key_valid
+
+
+def accumulate(seed, vocab_q=6, vocab_k=6, n=4):
+    metric = AttentionAccumulator(HEADS, vocab_q, vocab_k)
+    for batch in make_batches(seed, vocab_q, vocab_k, n):
+        metric.update(*batch)
+    return metric.compute()
+
+
+def loop_mass(seed, vocab_q=6, vocab_k=6, head=None):
+    """P̄[a, b] = mean_h S[h, a, b] / Q[a] (or one head's), by explicit loops in float64."""
+    S = np.zeros((HEADS, vocab_q, vocab_k))
+    Q = np.zeros(vocab_q)
+    for weights, query_ids, key_ids, query_valid, key_valid in make_batches(seed, vocab_q, vocab_k):
+        for n in range(BATCH):
+            for i in range(LENGTH):
+                if not query_valid[n, i]:
+                    continue
+                Q[query_ids[n, i]] += 1
+                for j in range(LENGTH):
+                    if key_valid[n, j]:
+                        S[:, query_ids[n, i], key_ids[n, j]] += weights[n, :, i, j].double().numpy()
+    summed = S.mean(axis=0) if head is None else S[head]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(Q[:, None] > 0, summed / np.maximum(Q[:, None], 1), 0.0), Q, summed
+
+
+def save_two_modules(path, seed, epoch=3, global_step=120):
+    stats = {SELF: accumulate(seed), CROSS: accumulate(seed + 100, vocab_q=4, vocab_k=6)}
+    save_epoch(path, stats, streams=STREAMS, labels={"src": LABELS, "tgt": None}, epoch=epoch, global_step=global_step)
+    return stats
+
+
+def assert_stats_equal(got: AttentionStats, expected: AttentionStats):
+    for field in AttentionStats._fields:
+        a, b = getattr(got, field), getattr(expected, field)
+        assert a.dtype == b.dtype and a.device.type == "cpu", field
+        assert torch.equal(a, b), field
+
+
+# ---------------------------------------------------------------------------------------------------- save / load
+@pytest.mark.parametrize("suffix", [".pt", ".npz"])
+def test_save_epoch_round_trips_every_field(tmp_path, suffix):
+    path = tmp_path / "nested" / "dir" / f"epoch=0003-step=120{suffix}"
+    stats = save_two_modules(path, seed=0)
+    record = load_epoch(path)
+    assert isinstance(record, EpochRecord)
+    assert (record.epoch, record.global_step) == (3, 120)
+    assert record.streams == STREAMS
+    assert record.labels == {"src": LABELS, "tgt": None}
+    assert list(record.modules) == [SELF, CROSS]
+    for name in stats:
+        assert_stats_equal(record.modules[name], stats[name])
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_save_epoch_pt_loads_with_weights_only(tmp_path):
+    save_two_modules(tmp_path / "e.pt", seed=0)
+    content = torch.load(tmp_path / "e.pt", weights_only=True)
+    assert content["format"] == "attn_callbacks.epoch" and content["version"] == FORMAT_VERSION
+    assert set(content["modules"][SELF]) == {
+        "attention_sum",
+        "pair_count",
+        "query_count",
+        "skipped_rows",
+        "uniform_sum",
+        "position_sums",
+    }
+
+
+def test_save_epoch_npz_loads_without_pickle(tmp_path):
+    stats = save_two_modules(tmp_path / "e.npz", seed=0)
+    with np.load(tmp_path / "e.npz", allow_pickle=False) as data:
+        meta = json.loads(str(data["__meta__"]))
+        assert meta["modules"] == [SELF, CROSS] and meta["version"] == FORMAT_VERSION
+        np.testing.assert_array_equal(data["1.attention_sum"], stats[CROSS].attention_sum.numpy())
+        assert data["0.pair_count"].dtype == np.int64
+
+
+def test_save_epoch_keeps_dtypes_numpy_lacks(tmp_path):
+    stats = accumulate(0)
+    low = stats_from_sums(*(t.to(torch.bfloat16) if t.is_floating_point() else t for t in stats[:4] + stats[6:]))
+    save_epoch(tmp_path / "e.npz", {"m": low}, streams={"m": ("x", "x")}, labels={}, epoch=0, global_step=0)
+    record = load_epoch(tmp_path / "e.npz")
+    assert record.labels == {"x": None}
+    assert_stats_equal(record.modules["m"], low)
+
+
+def test_save_epoch_rejects_bad_suffix(tmp_path):
+    with pytest.raises(ValueError, match=r"`path` to end in '.pt' or '.npz', but got '.*e\.json'"):
+        save_epoch(tmp_path / "e.json", {}, streams={}, labels={}, epoch=0, global_step=0)
+    with pytest.raises(ValueError, match="`path`"):
+        load_epoch(tmp_path / "e.json")
+
+
+def test_save_epoch_rejects_inconsistent_arguments(tmp_path):
+    stats = {SELF: accumulate(0)}
+    with pytest.raises(ValueError, match="`streams` to have an entry for module 'encoder"):
+        save_epoch(tmp_path / "e.pt", stats, streams={}, labels={}, epoch=0, global_step=0)
+    with pytest.raises(ValueError, match="`labels` to give 6 tokens for stream 'src'.*but got 2"):
+        save_epoch(tmp_path / "e.pt", stats, streams=STREAMS, labels={"src": ["a", "b"]}, epoch=0, global_step=0)
+    with pytest.raises(ValueError, match="`epoch` to be a non-negative integer, but got -1"):
+        save_epoch(tmp_path / "e.pt", stats, streams=STREAMS, labels={}, epoch=-1, global_step=0)
+    assert not (tmp_path / "e.pt").exists()
+
+
+def test_load_epoch_reports_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No attention epoch export at '.*missing.pt'"):
+        load_epoch(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".npz"])
+def test_load_epoch_rejects_unknown_format_version(tmp_path, suffix):
+    path = tmp_path / f"e{suffix}"
+    save_two_modules(path, seed=0)
+    if suffix == ".pt":
+        content = torch.load(path, weights_only=True)
+        torch.save({**content, "version": FORMAT_VERSION + 1}, path)
+    else:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+        meta = json.loads(str(arrays["__meta__"]))
+        arrays["__meta__"] = np.array(json.dumps({**meta, "version": FORMAT_VERSION + 1}))
+        np.savez_compressed(path, **arrays)
+    with pytest.raises(ValueError, match=f"format version {FORMAT_VERSION + 1}, but this attn_callbacks reads"):
+        load_epoch(path)
+
+
+def test_load_epoch_rejects_files_that_are_not_exports(tmp_path):
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "checkpoint.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
+    (tmp_path / "garbage.npz").write_bytes(b"not a zip file")
+    np.savez(tmp_path / "plain.npz", x=np.zeros(3))
+    for name in ("checkpoint.pt", "garbage.pt", "garbage.npz", "plain.npz"):
+        with pytest.raises(ValueError, match="is not an attention epoch export"):
+            load_epoch(tmp_path / name)
+    assert zipfile.is_zipfile(tmp_path / "plain.npz")
+
+
+# ---------------------------------------------------------------------------------------------------------- graph
+def read_graph(path):
+    graph = nx.read_graphml(path)
+    edges = {(a, b): data["weight"] for a, b, data in graph.edges(data=True)}
+    return graph, edges
+
+
+@pytest.mark.parametrize("head", [None, 1])
+def test_export_graph_self_attention_matches_loop_reference(tmp_path, head):
+    stats = accumulate(0)
+    expected_mass, Q, summed = loop_mass(0, head=head)
+    min_weight = 0.06
+    assert np.abs(expected_mass - min_weight).min() > 1e-4  # no edge decided by float32 rounding
+    path = export_graph(tmp_path / "g.graphml", stats, query_labels=LABELS, head=head, min_weight=min_weight)
+    graph, edges = read_graph(path)
+
+    expected = {(str(a), str(b)): expected_mass[a, b] for a in range(6) for b in range(6) if expected_mass[a, b] > 0.06}
+    assert set(edges) == set(expected) and len(expected) > 3
+    for edge, weight in expected.items():
+        assert edges[edge] == pytest.approx(weight, abs=1e-6)
+    seen = [a for a in range(6) if Q[a] > 0 or stats.attention_sum[:, :, a].sum() > 0]
+    assert sorted(graph.nodes, key=int) == [str(a) for a in seen]
+    rank = F.pagerank(stats.attention_mass.mean(0) if head is None else stats.attention_mass[head])
+    for a in seen:
+        node = graph.nodes[str(a)]
+        assert node["label"] == LABELS[a] and node["token_id"] == a and node["query_count"] == Q[a]
+        assert node["in_degree"] == pytest.approx(summed[:, a].sum() / Q.sum(), abs=1e-6)
+        assert node["pagerank"] == pytest.approx(float(rank[a]), abs=1e-12)
+    assert graph.graph["head"] == ("mean" if head is None else str(head))
+
+
+def test_export_graph_cross_attention_has_query_and_key_nodes(tmp_path):
+    stats = accumulate(7, vocab_q=4, vocab_k=6)
+    expected_mass, Q, summed = loop_mass(7, vocab_q=4, vocab_k=6)
+    keys = ["k0", "k1", "k2", "k3", "k4", "k5"]
+    path = export_graph(tmp_path / "cross.graphml", stats, query_labels=list("abcd"), key_labels=keys)
+    graph, edges = read_graph(path)
+    assert {f"q:{a}" for a in range(4) if Q[a] > 0} == {n for n in graph if graph.nodes[n]["role"] == "query"}
+    key_nodes = {n for n in graph if graph.nodes[n]["role"] == "key"}
+    assert key_nodes == {f"k:{b}" for b in range(6) if summed[:, b].sum() > 0}
+    assert graph.nodes["k:5"]["label"] == "k5" and graph.nodes["q:2"]["label"] == "c"
+    assert all("pagerank" not in data for _, data in graph.nodes(data=True))
+    expected = {
+        (f"q:{a}", f"k:{b}"): expected_mass[a, b] for a in range(4) for b in range(6) if expected_mass[a, b] > 0
+    }
+    assert set(edges) == set(expected)
+    for edge, weight in expected.items():
+        assert edges[edge] == pytest.approx(weight, abs=1e-6)
+
+
+def test_export_graph_square_cross_attention_when_told(tmp_path):
+    graph, _ = read_graph(export_graph(tmp_path / "g.graphml", accumulate(0), self_attention=False))
+    assert {graph.nodes[n]["role"] for n in graph} == {"query", "key"}
+
+
+def test_export_graph_rejects_bad_arguments(tmp_path):
+    stats = accumulate(0)
+    with pytest.raises(ValueError, match=r"`head` to be None or an integer in \[0, 2\), but got 2"):
+        export_graph(tmp_path / "g.graphml", stats, head=2)
+    with pytest.raises(ValueError, match="`min_weight` to be a non-negative number, but got -0.1"):
+        export_graph(tmp_path / "g.graphml", stats, min_weight=-0.1)
+    with pytest.raises(ValueError, match="`query_labels` to hold 6 tokens"):
+        export_graph(tmp_path / "g.graphml", stats, query_labels=["a"])
+    with pytest.raises(ValueError, match="`self_attention` to be False for a 4 x 6"):
+        export_graph(tmp_path / "g.graphml", accumulate(0, vocab_q=4), self_attention=True)
+
+
+def test_export_graph_without_networkx_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "networkx", None)  # makes `import networkx` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install 'attn_callbacks\[graph\]'"):
+        export_graph(tmp_path / "g.graphml", accumulate(0))
+
+
+def test_export_graph_escapes_labels_xml_cannot_hold(tmp_path):
+    labels = ["\x00", "a\x1fb", "ok", "é", "<&>", ""]
+    graph, _ = read_graph(export_graph(tmp_path / "g.graphml", accumulate(0), query_labels=labels))
+    assert {graph.nodes[n]["label"] for n in graph} <= {"\\x00", "a\\x1fb", "ok", "é", "<&>", ""}
+
+
+def test_epoch_record_export_graph_uses_streams_and_labels(tmp_path):
+    save_two_modules(tmp_path / "e.pt", seed=0)
+    record = load_epoch(tmp_path / "e.pt")
+    graph, _ = read_graph(record.export_graph(CROSS, tmp_path / "cross.graphml"))
+    assert graph.nodes["k:4"]["label"] == "on\nthe mat" and graph.nodes["q:1"]["label"] == "1"
+    with pytest.raises(ValueError, match="`module` to be one of"):
+        record.export_graph("nope", tmp_path / "x.graphml")
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+def parse_table(lines, first_column):
+    """Rows of a printed table after its header line starting with ``first_column``, up to the first blank line."""
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(first_column)) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        rows.append(line)
+    return rows
+
+
+def test_main_compare_prints_drift_and_moved_tokens(tmp_path, capsys):
+    old = save_two_modules(tmp_path / "old.pt", seed=0, epoch=0, global_step=10)
+    new = save_two_modules(tmp_path / "new.npz", seed=1, epoch=1, global_step=20)
+    argv = ["compare", str(tmp_path / "old.pt"), str(tmp_path / "new.npz"), "--top", "3", "--min-support", "2"]
+    assert main([*argv, "--per-head"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "(epoch 0, step 10)" in lines[0] and "(epoch 1, step 20)" in lines[1]
+
+    rows = parse_table(lines, "module")
+    assert len(rows) == 2 * (1 + HEADS)
+    for name, row, head_rows in ((SELF, rows[0], rows[1:3]), (CROSS, rows[3], rows[4:6])):
+        after, before = new[name], old[name]
+        counts = (after.query_count, before.query_count, 2)
+        js, frob = F.attention_drift(after.attention_mass.mean(0), before.attention_mass.mean(0), *counts)
+        assert row.split() == [name, "mean", f"{float(js):#.6g}", f"{float(frob):#.6g}"]
+        js_heads, frob_heads = F.attention_drift(after.attention_mass, before.attention_mass, *counts)
+        for h, head_row in enumerate(head_rows):
+            assert head_row.split() == ["head", str(h), f"{float(js_heads[h]):#.6g}", f"{float(frob_heads[h]):#.6g}"]
+        assert 0 < float(js) < math.log(2)
+
+    text = "\n".join(lines)
+    section = lines[lines.index(f"{SELF}: query tokens whose attention moved most (JS in nats, NEW vs OLD)") :]
+    moved_rows = parse_table(section, "query token")
+    mass_new, mass_old = new[SELF].attention_mass.mean(0), old[SELF].attention_mass.mean(0)
+    moved = F.moved_tokens(mass_new, mass_old, new[SELF].query_count, old[SELF].query_count, 3, 2)
+    assert len(moved_rows) == len(moved) == 3
+    for row, (token, js) in zip(moved_rows, moved, strict=True):
+        label = LABELS[token].replace("\n", "\\n")
+        assert row.strip().startswith(label)
+        assert row[len(label) + 2 :].split()[:3] == [
+            f"{js:#.6g}",
+            str(int(old[SELF].query_count[token])),
+            str(int(new[SELF].query_count[token])),
+        ]
+    assert f"{CROSS}: query tokens whose attention moved most" in text
+
+
+def test_main_compare_identical_epochs_print_zero_drift(tmp_path, capsys):
+    save_two_modules(tmp_path / "a.pt", seed=0)
+    save_two_modules(tmp_path / "b.npz", seed=0)
+    assert main(["compare", str(tmp_path / "a.pt"), str(tmp_path / "b.npz"), "--modules", "encoder.*"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = parse_table(lines, "module")
+    assert [row.split() for row in rows] == [[SELF, "mean", "0.00000", "0.00000"]]
+    moved_rows = parse_table(
+        lines[lines.index(f"{SELF}: query tokens whose attention moved most (JS in nats, NEW vs OLD)") :], "query token"
+    )
+    assert moved_rows and all(" 0.00000 " in row for row in moved_rows)
+    assert CROSS not in "\n".join(lines)
+
+
+def test_main_graph_writes_graphml(tmp_path, capsys):
+    save_two_modules(tmp_path / "e.npz", seed=0)
+    out = tmp_path / "graphs" / "self.graphml"
+    assert main(["graph", str(tmp_path / "e.npz"), SELF, str(out), "--head", "0", "--min-weight", "0.1"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    graph, edges = read_graph(out)
+    assert edges and min(edges.values()) > 0.1 and graph.graph["head"] == "0"
+
+
+def test_main_errors_exit_2_with_a_message(tmp_path, capsys):
+    save_two_modules(tmp_path / "e.pt", seed=0)
+    other = {SELF: accumulate(0, vocab_q=5, vocab_k=5)}
+    save_epoch(tmp_path / "small.pt", other, streams=STREAMS, labels={}, epoch=0, global_step=0)
+    e, small = str(tmp_path / "e.pt"), str(tmp_path / "small.pt")
+    cases = [
+        (["compare", str(tmp_path / "missing.pt"), e], "No attention epoch export at"),
+        (["compare", e, str(tmp_path / "e.csv")], "`path` to end in '.pt' or '.npz'"),
+        (["compare", e, small], "has (heads, query vocab, key vocab) (2, 6, 6) in OLD but (2, 5, 5) in NEW"),
+        (["compare", e, e, "--modules", "nothing*"], "match no module found in both files"),
+        (["compare", e, e, "--top", "-1"], "expected an integer >= 0"),
+        (["graph", e, "nope", str(tmp_path / "g.graphml")], "module 'nope' is not in"),
+        (["graph", e, SELF, str(tmp_path / "g.graphml"), "--head", "5"], "`head` to be None or an integer in [0, 2)"),
+        ([], "required"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "g.graphml").exists()
