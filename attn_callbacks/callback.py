@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from attn_callbacks import functional as F
 from attn_callbacks import render
 from attn_callbacks.capture import AttentionCapture, find_attention_modules
+from attn_callbacks.export import save_epoch
 from attn_callbacks.metrics import AttentionAccumulator, AttentionStats, merge_stats
 from attn_callbacks.render import TokenLabels
 from attn_callbacks.tokens import (
@@ -107,7 +108,7 @@ class AttentionMonitor(Callback):
         probe_samples: how many samples of the probe batch to draw.
         export: also save the raw sums and counts of every monitored epoch as ``"pt"`` or ``"npz"`` files (read them
             back with :func:`attn_callbacks.load_epoch`); None to save nothing.
-        export_dir: where the files go; ``{logger log_dir}/attention_epochs`` when None.
+        export_dir: the folder the files go to; ``{logger log_dir}/attention_epochs`` when None.
         monitor_test: also monitor ``trainer.test()`` epochs, logged under ``{prefix}_test...`` tags (never drift
             epochs). ``predict`` is never monitored.
 
@@ -403,8 +404,12 @@ class AttentionMonitor(Callback):
                     suffix = f"/dataloader_idx_{idx}"
                     self._log_module(pl_module, name, per_loader[(name, idx)], writer, step, False, suffix)
         if drift_epoch:
-            if self.export is not None and trainer.is_global_zero:
-                self._export(trainer, all_stats)
+            if self.export is not None:
+                # trainer.log_dir is a broadcast under DDP: every rank must ask, only rank 0 writes.
+                log_dir = None if self.export_dir else trainer.log_dir
+                if trainer.is_global_zero:
+                    root = Path(log_dir or trainer.default_root_dir) / "attention_epochs"
+                    self._export(trainer, all_stats, Path(self.export_dir) if self.export_dir else root)
             self._remember(all_stats, trainer.current_epoch)
         self._reset_sums()
 
@@ -545,11 +550,8 @@ class AttentionMonitor(Callback):
         if self._reference_epoch is None and (wanted is None or wanted == epoch):
             self._reference, self._reference_epoch = snapshot, epoch
 
-    def _export(self, trainer: Trainer, all_stats: dict[str, AttentionStats]) -> None:
-        from attn_callbacks.export import save_epoch
-
-        root = self.export_dir or (trainer.log_dir if trainer.log_dir is not None else trainer.default_root_dir)
-        path = Path(root) / "attention_epochs" / f"epoch={trainer.current_epoch:04d}-step={trainer.global_step}"
+    def _export(self, trainer: Trainer, all_stats: dict[str, AttentionStats], directory: Path) -> None:
+        path = directory / f"epoch={trainer.current_epoch:04d}-step={trainer.global_step}"
         labels = {stream: None if self._labels[stream] is None else self._full_labels(stream) for stream in self._vocab}
         save_epoch(
             path.with_suffix(f".{self.export}"),
