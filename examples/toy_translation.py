@@ -198,6 +198,9 @@ def main() -> None:
             # one bright cell per row; labelled by tgt_in it would show each word attending to its neighbour's source.
             "*multihead_attn": ("tgt_out", "src"),
         },
+        sink_ids={"tgt_in": [BOS]},  # how much decoder self-attention parks on <bos>
+        probe="first",  # one fixed validation sentence, drawn every epoch (the loader below does not shuffle)
+        export="pt",  # raw sums per epoch, for `python -m attn_callbacks compare`
     )
     logger = TensorBoardLogger(args.logdir, name="toy_translation")
     trainer = Trainer(
@@ -233,6 +236,17 @@ def main() -> None:
     last = list(alignment)[-1]
     share, chance = alignment[last]
     print(f"cross-attention on the dictionary word: {share:.2f} ({last}; uniform attention would give {chance:.2f})")
+    print(f"\n{last}, per epoch (lift: x more than chance; drift: JS divergence of rows, nats)")
+    print("epoch  lift   drift vs prev  drift vs epoch 0")
+    lift = events.Scalars(f"attention_lift/{last}")
+    drift = {e.step: e.value for e in events.Scalars(f"attention_drift/js_prev/{last}")}
+    drift_ref = {e.step: e.value for e in events.Scalars(f"attention_drift/js_ref/{last}")}
+    for epoch, event in enumerate(lift):
+        prev, ref = drift.get(event.step), drift_ref.get(event.step)
+        print(f"{epoch:>5}  {event.value:5.2f}  {prev or 0:13.4f}  {ref or 0:16.4f}")
+    exports = sorted((Path(logger.log_dir) / "attention_epochs").glob("*.pt"))
+    if len(exports) > 1:
+        print(f"\ncompare two epochs: python -m attn_callbacks compare {exports[0]} {exports[-1]}")
 
 
 if __name__ == "__main__":
