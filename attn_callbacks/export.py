@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from attn_callbacks import functional as F
-from attn_callbacks.metrics import AttentionStats, stats_from_sums
+from attn_callbacks.metrics import _SUMS, AttentionStats, stats_from_sums
 
 __all__ = ["FORMAT_VERSION", "EpochRecord", "export_graph", "load_epoch", "save_epoch"]
 
@@ -44,8 +44,6 @@ FORMAT_VERSION = 1
 _FORMAT_NAME = "attn_callbacks.epoch"
 _SUFFIXES = (".pt", ".npz")
 _META_KEY = "__meta__"
-# The raw sums, in the order stats_from_sums takes them. Part of the file format: never reorder or rename.
-_SUMS = ("attention_sum", "pair_count", "query_count", "skipped_rows", "uniform_sum", "position_sums")
 _DTYPES = {str(dtype): dtype for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64)}
 
 

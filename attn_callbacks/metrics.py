@@ -40,6 +40,7 @@ class AttentionStats(NamedTuple):
     position_sums: Tensor
 
 
+# The raw sums, in the order stats_from_sums takes them; also the export file format: never reorder or rename.
 _SUMS = ("attention_sum", "pair_count", "query_count", "skipped_rows", "uniform_sum", "position_sums")
 
 
