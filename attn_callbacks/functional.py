@@ -19,6 +19,7 @@ from torch import Tensor
 __all__ = [
     "POSITION_STATS",
     "accumulate_attention",
+    "accumulate_attention_reference",
     "asymmetry_index",
     "attention_drift",
     "attention_mass",
@@ -30,6 +31,7 @@ __all__ = [
     "moved_tokens",
     "one_way_pairs",
     "pagerank",
+    "pair_index",
     "pairwise_asymmetry",
     "position_statistics",
     "row_entropy",
@@ -45,7 +47,7 @@ __all__ = [
 POSITION_STATS = ("entropy", "max_entropy", "self", "previous", "next", "distance")
 
 
-def accumulate_attention(
+def accumulate_attention_reference(
     attention_sum: Tensor,
     pair_count: Tensor,
     query_count: Tensor,
@@ -58,11 +60,13 @@ def accumulate_attention(
     uniform_sum: Tensor | None = None,
     position_sums: Tensor | None = None,
 ) -> Tensor:
-    """Scatter-add one batch of attention weights into the running sums, in place, without a host sync.
+    """The simple reference path: scatter-add one batch of attention weights into separate running sums, in place.
 
-    ``S[h, a, b] += Σ w[n, h, i, j]``, ``C[a, b] += #(i, j)``, ``Q[a] += #i`` over valid query positions ``i`` holding
-    ``a`` and valid key positions ``j`` holding ``b``. A query row that holds a non-finite weight in any head (a fully
-    masked row is NaN) is dropped as a whole and counted instead.
+    :func:`accumulate_attention` computes the same sums faster (tests hold the two equal); this one is kept short and
+    obvious so it can serve as the reference. ``S[h, a, b] += Σ w[n, h, i, j]``, ``C[a, b] += #(i, j)``,
+    ``Q[a] += #i`` over valid query positions ``i`` holding ``a`` and valid key positions ``j`` holding ``b``.
+    A query row that holds a non-finite weight in any head (a fully masked row is NaN) is dropped as a whole and
+    counted instead.
 
     Args:
         attention_sum: ``(H, Vq, Vk)`` floating accumulator, updated in place.
@@ -87,7 +91,7 @@ def accumulate_attention(
         >>> S, C, Q = torch.zeros(1, 3, 3), torch.zeros(3, 3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
         >>> w = torch.tensor([[[[0.25, 0.75], [1.0, 0.0]]]])  # (B=1, H=1, Lq=2, Lk=2)
         >>> ids, valid = torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bool)
-        >>> int(accumulate_attention(S, C, Q, w, ids, ids, valid, valid))
+        >>> int(accumulate_attention_reference(S, C, Q, w, ids, ids, valid, valid))
         0
         >>> S[0].tolist()
         [[0.0, 0.0, 0.0], [0.0, 0.25, 0.75], [0.0, 1.0, 0.0]]
@@ -135,6 +139,146 @@ def accumulate_attention(
                 (masked * distance).sum(dim=(0, 2, 3)),
             ]
         ).to(position_sums.dtype)
+    return skipped
+
+
+def pair_index(
+    query_ids: Tensor,
+    key_ids: Tensor,
+    query_valid: Tensor,
+    key_valid: Tensor,
+    query_vocab_size: int,
+    key_vocab_size: int,
+) -> Tensor:
+    """Flat index ``a * Vk + b`` of the (query id, key id) pair at every (query, key) position pair.
+
+    Pairs holding an ignored query or key position point at the *discard cell* ``Vq * Vk``, one past the vocabulary
+    plane, so the fast path scatters them without masking the weights first. The index depends on the token ids only:
+    compute it once per batch and share it between modules that read the same streams.
+
+    Args:
+        query_ids: ``(B, Lq)`` integer ids in ``[0, Vq)`` at valid positions (anything elsewhere).
+        key_ids: ``(B, Lk)`` integer ids in ``[0, Vk)`` at valid positions.
+        query_valid: ``(B, Lq)`` bool.
+        key_valid: ``(B, Lk)`` bool.
+        query_vocab_size: ``Vq``.
+        key_vocab_size: ``Vk``.
+
+    Returns:
+        ``(B, Lq, Lk)`` int64 in ``[0, Vq * Vk]``.
+
+    Example:
+        >>> ids, valid = torch.tensor([[1, 2]]), torch.tensor([[True, False]])
+        >>> pair_index(ids, ids, valid, valid, 3, 3).tolist()
+        [[[4, 9], [9, 9]]]
+    """
+    flat = query_ids.long()[:, :, None] * key_vocab_size + key_ids.long()[:, None, :]  # (B, Lq, Lk)
+    return torch.where(query_valid[:, :, None] & key_valid[:, None, :], flat, query_vocab_size * key_vocab_size)
+
+
+# Bytes of weights the CPU path works on at a time: a chunk stays in cache between its passes.
+_CPU_CHUNK_BYTES = 1 << 21
+
+
+def accumulate_attention(
+    sums: Tensor,
+    pair_count: Tensor,
+    query_count: Tensor,
+    position_sums: Tensor,
+    weights: Tensor,
+    pairs: Tensor,
+    query_ids: Tensor,
+    query_valid: Tensor,
+    key_valid: Tensor,
+) -> Tensor:
+    """The fast path: add one batch to packed running sums, in place, without a host sync; deterministic on CPU.
+
+    Computes exactly what :func:`accumulate_attention_reference` computes (``S``, ``U``, ``C``, ``Q`` and the position
+    sums; a valid query row with a non-finite weight in any head is dropped and counted), on a packed layout:
+
+    - ``sums[:H]`` is ``S`` and ``sums[H]`` is ``U``, each a flat ``Vq * Vk`` plane plus the discard cell, so one
+      index (from :func:`pair_index`, shared by every module reading the same streams) serves every head, ``U`` and
+      ``C``, and ignored pairs need no masking pass;
+    - on CPU the batch is processed a few samples at a time so that each chunk of weights stays in cache across its
+      passes (the scatter, the row sums, ``Σ w log w`` and the distance); position sums are batched matrix-vector
+      products rather than element-wise temporaries. On GPU the whole batch is one chunk.
+
+    Args:
+        sums: ``(H + 1, Vq * Vk + 1)`` float accumulator: ``S`` per head, then ``U``; the last column is discarded.
+        pair_count: ``(Vq * Vk + 1,)`` integer accumulator ``C`` plus the discard cell.
+        query_count: ``(Vq + 1,)`` integer accumulator ``Q`` plus a discard cell.
+        position_sums: ``(len(POSITION_STATS), H)`` float accumulator.
+        weights: ``(B, H, Lq, Lk)`` per-head attention weights.
+        pairs: ``(B, Lq, Lk)`` from :func:`pair_index`.
+        query_ids: ``(B, Lq)`` integer ids in ``[0, Vq)`` at valid positions.
+        query_valid: ``(B, Lq)`` bool.
+        key_valid: ``(B, Lk)`` bool.
+
+    Returns:
+        A 0-dim int64 tensor: the number of valid query rows dropped for non-finite weights.
+    """
+    batch, num_heads, len_q, len_k = weights.shape
+    dtype = sums.dtype
+    finite = torch.isfinite(weights.sum(dim=-1)).all(dim=1)  # (B, Lq): a sum is finite iff every term is
+    rows = query_valid & finite
+    skipped = (query_valid & ~finite).sum()
+    query_count.index_add_(
+        0, torch.where(rows, query_ids.long(), query_count.numel() - 1).reshape(-1), rows.reshape(-1).long()
+    )
+    kept = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
+    flat = pairs.reshape(batch, len_q * len_k)
+    # Pairs of ignored positions already point at the discard cell; C must also skip the pairs of dropped rows.
+    pair_count.index_add_(0, flat.reshape(-1), kept.reshape(-1).to(pair_count.dtype))
+
+    visible = (weights.amax(dim=1).to(dtype) > 0) & kept  # (B, Lq, Lk); non-zero as stored in the sums' dtype
+    num_visible = visible.sum(dim=-1)  # (B, Lq)
+    uniform = visible.to(dtype) / num_visible.clamp(min=1)[:, :, None].to(dtype)  # 1 / #visible on visible keys
+
+    positions = torch.arange(len_q, device=weights.device)
+    distance = (positions[:, None] - torch.arange(len_k, device=weights.device)[None, :]).abs().to(dtype)
+    distance = distance.reshape(len_q * len_k, 1)
+    row_plogp = weights.new_empty(num_heads, batch, len_q, dtype=dtype)  # Σ_j p log p, p = w renormalised
+    row_distance = weights.new_empty(num_heads, batch, dtype=dtype)  # Σ_ij w |i - j| over valid keys
+    sample_bytes = (num_heads + 1) * len_q * len_k * torch.finfo(dtype).bits // 8
+    chunk = batch if weights.is_cuda else max(1, _CPU_CHUNK_BYTES // max(sample_bytes, 1))
+    tiny = torch.finfo(dtype).tiny
+    zero = weights.new_zeros((), dtype=dtype)
+    for start in range(0, batch, chunk):
+        stop = min(start + chunk, batch)
+        size = stop - start
+        # Head-major (H + 1, b, Lq, Lk): every head and U scatter with one index in one call.
+        source = weights.new_empty(num_heads + 1, size, len_q, len_k, dtype=dtype)
+        w = source[:num_heads]  # (H, b, Lq, Lk)
+        # Ignored keys and dropped rows become 0 (torch.where, so a NaN cannot leak in as NaN * 0).
+        torch.where(kept[start:stop, None], weights[start:stop].to(dtype), zero, out=w.transpose(0, 1))
+        source[num_heads] = uniform[start:stop]
+        sums.index_add_(1, flat[start:stop].reshape(-1), source.view(num_heads + 1, -1))
+        mass = torch.sum(w, dim=-1, keepdim=True)  # (H, b, Lq, 1)
+        # Renormalise before the log (not log s - Σ w log w / s): exact even when the valid keys hold subnormal mass.
+        p = w / torch.where(mass > 0, mass, 1)
+        plogp = p.clamp(min=tiny).log_().mul_(p)  # p log p, 0 where p = 0
+        torch.sum(plogp, dim=-1, out=row_plogp[:, start:stop])
+        row_distance[:, start:stop] = (w.view(num_heads * size, len_q * len_k) @ distance).view(num_heads, size)
+
+    def diagonal(offset: int) -> Tensor:
+        """Σ over kept rows i of w[i, i + offset] where key i + offset is valid, per head."""
+        values = weights.diagonal(offset, -2, -1)  # (B, H, n)
+        first_row = max(-offset, 0)
+        count = values.shape[-1]
+        keep = rows[:, first_row : first_row + count] & key_valid[:, first_row + offset : first_row + offset + count]
+        return torch.where(keep[:, None, :], values, 0).to(dtype).sum(dim=(0, 2))
+
+    max_entropy = torch.where(rows, num_visible.clamp(min=1).to(dtype).log(), 0).sum()
+    position_sums += torch.stack(
+        [
+            -row_plogp.sum(dim=(1, 2)),
+            max_entropy.expand(num_heads),
+            diagonal(0),
+            diagonal(-1),
+            diagonal(1),
+            row_distance.sum(dim=1),
+        ]
+    ).to(position_sums.dtype)
     return skipped
 
 

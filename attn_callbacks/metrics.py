@@ -76,10 +76,11 @@ def merge_stats(parts: Sequence[AttentionStats]) -> AttentionStats:
 class AttentionAccumulator(Metric):
     """Running vocabulary × vocabulary attention sums for one attention module.
 
-    States (all ``dist_reduce_fx="sum"``, so DDP ranks add up): ``attention_sum (H, Vq, Vk)``,
-    ``pair_count (Vq, Vk)``, ``query_count (Vq,)``, ``skipped_rows``, the uniform baseline ``uniform_sum (Vq, Vk)`` and
-    the position-level ``position_sums (len(POSITION_STATS), H)``. Updates are one vectorised scatter-add per
-    state, with no host sync. Division happens only in :meth:`compute`.
+    States (all ``dist_reduce_fx="sum"``, so DDP ranks add up), packed for the fast path of
+    :func:`attn_callbacks.functional.accumulate_attention`: ``sums (H + 1, Vq * Vk + 1)`` holds ``S`` per head and the
+    uniform baseline ``U``, ``pair_count (Vq * Vk + 1,)`` and ``query_count (Vq + 1,)``, each with one discard cell
+    where ignored positions go; plus ``skipped_rows`` and ``position_sums (len(POSITION_STATS), H)``. Updates never
+    sync with the host. Division happens only in :meth:`compute`, which returns the usual shapes.
 
     Args:
         num_heads: number of attention heads ``H``.
@@ -99,11 +100,10 @@ class AttentionAccumulator(Metric):
     higher_is_better = None
     full_state_update = False
 
-    attention_sum: Tensor
+    sums: Tensor
     pair_count: Tensor
     query_count: Tensor
     skipped_rows: Tensor
-    uniform_sum: Tensor
     position_sums: Tensor
 
     def __init__(self, num_heads: int, query_vocab_size: int, key_vocab_size: int, **kwargs) -> None:
@@ -118,37 +118,71 @@ class AttentionAccumulator(Metric):
         self.num_heads = num_heads
         self.query_vocab_size = query_vocab_size
         self.key_vocab_size = key_vocab_size
+        plane = query_vocab_size * key_vocab_size + 1  # the vocabulary plane plus the discard cell
         # Created as normal tensors (never inside inference mode) so they can be updated in place anywhere.
         with torch.inference_mode(False):
-            self.add_state("attention_sum", torch.zeros(num_heads, query_vocab_size, key_vocab_size), "sum")
-            self.add_state("pair_count", torch.zeros(query_vocab_size, key_vocab_size, dtype=torch.long), "sum")
-            self.add_state("query_count", torch.zeros(query_vocab_size, dtype=torch.long), "sum")
+            self.add_state("sums", torch.zeros(num_heads + 1, plane), "sum")
+            self.add_state("pair_count", torch.zeros(plane, dtype=torch.long), "sum")
+            self.add_state("query_count", torch.zeros(query_vocab_size + 1, dtype=torch.long), "sum")
             self.add_state("skipped_rows", torch.zeros((), dtype=torch.long), "sum")
-            self.add_state("uniform_sum", torch.zeros(query_vocab_size, key_vocab_size), "sum")
             # float32 like the other sums: float64 states would not move to MPS devices.
             self.add_state("position_sums", torch.zeros(len(F.POSITION_STATS), num_heads), "sum")
 
+    @staticmethod
+    def state_bytes(num_heads: int, query_vocab_size: int, key_vocab_size: int) -> int:
+        """Bytes of state one accumulator holds: ``(H + 1) · (Vq · Vk + 1) · 4 + (Vq · Vk + 1) · 8 + (Vq + 1) · 8``
+        plus a few scalars (float32 sums, int64 counts)."""
+        plane = query_vocab_size * key_vocab_size + 1
+        return (
+            (num_heads + 1) * plane * 4
+            + plane * 8
+            + (query_vocab_size + 1) * 8
+            + 8
+            + len(F.POSITION_STATS) * num_heads * 4
+        )
+
     def update(
-        self, weights: Tensor, query_ids: Tensor, key_ids: Tensor, query_valid: Tensor, key_valid: Tensor
+        self,
+        weights: Tensor,
+        query_ids: Tensor,
+        key_ids: Tensor,
+        query_valid: Tensor,
+        key_valid: Tensor,
+        pairs: Tensor | None = None,
     ) -> None:
-        """Add one batch; arguments as in :func:`attn_callbacks.functional.accumulate_attention`."""
+        """Add one batch; arguments as in :func:`attn_callbacks.functional.accumulate_attention_reference`.
+
+        ``pairs`` is :func:`attn_callbacks.functional.pair_index` of the ids, when the caller already has it (it
+        depends on the ids only, so modules reading the same streams can share it).
+        """
+        if pairs is None:
+            pairs = F.pair_index(query_ids, key_ids, query_valid, key_valid, self.query_vocab_size, self.key_vocab_size)
         skipped = F.accumulate_attention(
-            self.attention_sum,
+            self.sums,
             self.pair_count,
             self.query_count,
+            self.position_sums,
             weights,
+            pairs,
             query_ids,
-            key_ids,
             query_valid,
             key_valid,
-            uniform_sum=self.uniform_sum,
-            position_sums=self.position_sums,
         )
         self.skipped_rows += skipped
 
     def compute(self) -> AttentionStats:
-        """The (process-summed) sums and counts, with ``P = S / Q`` and ``M = S / C`` per head."""
-        return stats_from_sums(*(getattr(self, field) for field in _SUMS))
+        """The (process-summed) sums and counts in their usual shapes (views of the state, discard cells dropped),
+        with ``P = S / Q`` and ``M = S / C`` per head."""
+        heads, vocab_q, vocab_k = self.num_heads, self.query_vocab_size, self.key_vocab_size
+        plane = self.sums[:, : vocab_q * vocab_k].view(heads + 1, vocab_q, vocab_k)
+        return stats_from_sums(
+            attention_sum=plane[:heads],
+            pair_count=self.pair_count[: vocab_q * vocab_k].view(vocab_q, vocab_k),
+            query_count=self.query_count[:vocab_q],
+            skipped_rows=self.skipped_rows,
+            uniform_sum=plane[heads],
+            position_sums=self.position_sums,
+        )
 
     def reset(self) -> None:
         """Zero the sums; the fresh states are normal tensors even when called inside inference mode."""

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention
-from attn_callbacks.functional import accumulate_attention, attention_mass
+from attn_callbacks.functional import accumulate_attention_reference, attention_mass
 
 VOCAB, PAD, LENGTH = 12, 0, 6
 
@@ -265,7 +265,7 @@ def test_callback_cross_attention_streams_for_nn_transformer(tmp_path, batch_fir
         _, w = x.multihead_attn(h, memory, memory, need_weights=True, average_attn_weights=False)
     S, C, Q = torch.zeros(2, 9, 7), torch.zeros(9, 7, dtype=torch.long), torch.zeros(9, dtype=torch.long)
     ones = torch.ones_like
-    accumulate_attention(S, C, Q, w, tgt, src, ones(tgt, dtype=torch.bool), ones(src, dtype=torch.bool))
+    accumulate_attention_reference(S, C, Q, w, tgt, src, ones(tgt, dtype=torch.bool), ones(src, dtype=torch.bool))
     torch.testing.assert_close(cross.attention_mass, attention_mass(S, Q), rtol=1e-5, atol=1e-6)
 
 
@@ -715,8 +715,7 @@ def test_callback_memory_stays_flat_across_batches_and_epochs(tmp_path):
     # Drift memory fills up over the first two epochs (reference, then a distinct previous); then nothing grows.
     assert len(monitor.counts) == 5 and len(set(monitor.counts[2:])) == 1, monitor.counts
     assert len(monitor._metrics) == 2 and all(
-        m.attention_sum.device.type == "cpu" and m.attention_sum.shape == (2, VOCAB, VOCAB)
-        for m in monitor._metrics.values()
+        m.sums.device.type == "cpu" and m.sums.shape == (3, VOCAB * VOCAB + 1) for m in monitor._metrics.values()
     )
 
 

@@ -50,7 +50,7 @@ def run(weights, query_ids, key_ids, qv, kv, vq, vk):
     S = torch.zeros(h, vq, vk)
     C = torch.zeros(vq, vk, dtype=torch.long)
     Q = torch.zeros(vq, dtype=torch.long)
-    skipped = F.accumulate_attention(S, C, Q, weights, query_ids, key_ids, qv, kv)
+    skipped = F.accumulate_attention_reference(S, C, Q, weights, query_ids, key_ids, qv, kv)
     return S, C, Q, int(skipped)
 
 
@@ -191,7 +191,9 @@ def run_full(weights, query_ids, key_ids, qv, kv, vq, vk):
     Q = torch.zeros(vq, dtype=torch.long)
     U = torch.zeros(vq, vk, dtype=torch.float64)
     P = torch.zeros(len(F.POSITION_STATS), h, dtype=torch.float64)
-    skipped = F.accumulate_attention(S, C, Q, weights, query_ids, key_ids, qv, kv, uniform_sum=U, position_sums=P)
+    skipped = F.accumulate_attention_reference(
+        S, C, Q, weights, query_ids, key_ids, qv, kv, uniform_sum=U, position_sums=P
+    )
     return S, C, Q, U, P, int(skipped)
 
 
@@ -315,7 +317,7 @@ def test_accumulate_attention_new_accumulators_add_up_over_calls():
     U = torch.zeros(4, 4, dtype=torch.float64)
     P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
     for _ in range(2):
-        F.accumulate_attention(S, C, Q, *case, uniform_sum=U, position_sums=P)
+        F.accumulate_attention_reference(S, C, Q, *case, uniform_sum=U, position_sums=P)
     torch.testing.assert_close(U, 2 * U1)
     torch.testing.assert_close(P, 2 * P1)
 

@@ -27,7 +27,7 @@ def test_accumulator_sums_batches_and_divides_only_at_compute():
     seen = Q > 0
     torch.testing.assert_close(stats.attention_mass[:, seen].sum(-1), torch.ones(3, int(seen.sum())))
     metric.reset()
-    assert float(metric.attention_sum.abs().sum()) == 0 and int(metric.query_count.sum()) == 0
+    assert float(metric.sums.abs().sum()) == 0 and int(metric.query_count.sum()) == 0
 
 
 def test_accumulator_updates_inside_and_outside_inference_mode():
@@ -46,3 +46,26 @@ def test_accumulator_rejects_bad_sizes():
 
     with pytest.raises(ValueError, match="`query_vocab_size` to be a positive integer, but got 0"):
         AttentionAccumulator(1, 0, 3)
+
+
+def test_accumulator_state_bytes_is_what_the_states_hold():
+    metric = AttentionAccumulator(3, 6, 4)
+    held = sum(t.numel() * t.element_size() for t in metric.metric_state.values())
+    assert AttentionAccumulator.state_bytes(3, 6, 4) == held
+    # 8 heads over a 2,049-token tracked vocabulary: (9 · 4 + 8) bytes per cell of the 2,049² plane, about 185 MB
+    assert (
+        AttentionAccumulator.state_bytes(8, 2049, 2049)
+        == 9 * (2049**2 + 1) * 4 + (2049**2 + 1) * 8 + 2050 * 8 + 8 + 6 * 8 * 4
+    )
+
+
+def test_accumulator_shared_pair_index_gives_the_same_sums():
+    from attn_callbacks.functional import pair_index
+
+    own, shared = AttentionAccumulator(3, 6, 4), AttentionAccumulator(3, 6, 4)
+    for w, q, k in batches():
+        qv, kv = q != 5, k != 0  # some ignored positions
+        own.update(w, q, k, qv, kv)
+        shared.update(w, q, k, qv, kv, pairs=pair_index(q, k, qv, kv, 6, 4))
+    for a, b in zip(own.compute(), shared.compute(), strict=True):
+        assert torch.equal(a, b)

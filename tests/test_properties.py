@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -186,8 +187,10 @@ def new_state(heads, vocab_q, vocab_k, dtype=torch.float32):
     }
 
 
-def accumulate(state, batch: Batch):
-    skipped = F.accumulate_attention(
+def accumulate(state, batch: Batch, path: str = "reference"):
+    if path == "fast":
+        return accumulate_fast(state, batch)
+    skipped = F.accumulate_attention_reference(
         state["S"], state["C"], state["Q"], *batch.args(), uniform_sum=state["U"], position_sums=state["P"]
     )
     assert skipped.dtype == torch.int64 and skipped.dim() == 0
@@ -195,8 +198,29 @@ def accumulate(state, batch: Batch):
     return state
 
 
-def run(spec: Spec, batch: Batch | None = None):
-    return accumulate(new_state(spec.heads, spec.vocab_q, spec.vocab_k), batch or build(spec))
+def accumulate_fast(state, batch: Batch):
+    """The fast path on its packed layout, unpacked and added into the same state as the reference path's."""
+    heads, vocab_q, vocab_k = state["S"].shape
+    plane = vocab_q * vocab_k
+    sums = torch.zeros(heads + 1, plane + 1, dtype=state["S"].dtype)
+    C, Q = torch.zeros(plane + 1, dtype=torch.long), torch.zeros(vocab_q + 1, dtype=torch.long)
+    P = torch.zeros_like(state["P"])
+    pairs = F.pair_index(batch.query_ids, batch.key_ids, batch.query_valid, batch.key_valid, vocab_q, vocab_k)
+    skipped = F.accumulate_attention(
+        sums, C, Q, P, batch.weights, pairs, batch.query_ids, batch.query_valid, batch.key_valid
+    )
+    assert skipped.dtype == torch.int64 and skipped.dim() == 0
+    state["S"] += sums[:heads, :plane].view(heads, vocab_q, vocab_k)
+    state["U"] += sums[heads, :plane].view(vocab_q, vocab_k)
+    state["C"] += C[:plane].view(vocab_q, vocab_k)
+    state["Q"] += Q[:vocab_q]
+    state["P"] += P
+    state["skipped"] += int(skipped)
+    return state
+
+
+def run(spec: Spec, batch: Batch | None = None, path: str = "reference"):
+    return accumulate(new_state(spec.heads, spec.vocab_q, spec.vocab_k), batch or build(spec), path)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -241,8 +265,11 @@ def reference(batch: Batch, vocab_q, vocab_k, accumulator_dtype=torch.float32):
             rows_with_visible[a] += bool(visible)
             for h in range(heads):
                 row = {j: w[n, h, i, j] for j in keys}
-                total = sum(row.values())
-                P[0, h] += -sum(x / total * math.log(x / total) for x in row.values() if x > 0)
+                # The entropy of the row as stored in the accumulator's dtype: renormalising a row whose valid-key
+                # mass lies in values that dtype flushes to 0 is beyond any float32 computation.
+                kept = {j: stored[n, h, i, j] for j in keys}
+                total = sum(kept.values())
+                P[0, h] += -sum(x / total * math.log(x / total) for x in kept.values() if x > 0)
                 P[1, h] += math.log(len(visible)) if visible else 0.0
                 P[2, h] += row.get(i, 0.0)
                 P[3, h] += row.get(i - 1, 0.0)
@@ -397,11 +424,12 @@ TINY_VALID_MASS = Spec(
 )
 
 
+@pytest.mark.parametrize("path", ["reference", "fast"])
 @_settings(400)
 @given(spec=specs())
-def test_accumulate_attention_matches_float64_loop(spec):
+def test_accumulate_attention_matches_float64_loop(path, spec):
     batch = build(spec)
-    state = run(spec, batch)
+    state = run(spec, batch, path)
     ref = reference(batch, spec.vocab_q, spec.vocab_k)
     close(state["S"], ref["S"], msg="S")
     assert torch.equal(state["C"].double(), ref["C"]), "C"
@@ -419,10 +447,11 @@ def test_accumulate_attention_matches_float64_loop(spec):
 @_settings(150)
 @given(spec=specs(temperatures=(60.0,), mask_ignored_keys=False))
 @example(spec=TINY_VALID_MASS)
-def test_accumulate_attention_position_entropy_is_between_zero_and_log_visible_keys(spec):
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_accumulate_attention_position_entropy_is_between_zero_and_log_visible_keys(path, spec):
     # each row: 0 <= H_i <= log n_i (its support lies within the visible keys), so the sums obey the same bounds
     batch = build(spec)
-    state = run(spec, batch)
+    state = run(spec, batch, path)
     ref = reference(batch, spec.vocab_q, spec.vocab_k)
     tol = 1e-5 * max(kept_rows(batch), 1)
     entropy, max_entropy = state["P"][0], state["P"][1]
@@ -432,9 +461,10 @@ def test_accumulate_attention_position_entropy_is_between_zero_and_log_visible_k
 
 @_settings(120)
 @given(spec=specs(dtypes=("float32",)))
-def test_accumulate_attention_float64_accumulators_match_float64_loop(spec):
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_accumulate_attention_float64_accumulators_match_float64_loop(path, spec):
     batch = build(spec)
-    state = accumulate(new_state(spec.heads, spec.vocab_q, spec.vocab_k, dtype=torch.float64), batch)
+    state = accumulate(new_state(spec.heads, spec.vocab_q, spec.vocab_k, dtype=torch.float64), batch, path)
     ref = reference(batch, spec.vocab_q, spec.vocab_k, accumulator_dtype=torch.float64)
     assert torch.equal(state["C"].double(), ref["C"]) and torch.equal(state["Q"].double(), ref["Q"])
     assert state["skipped"] == ref["skipped"]
@@ -690,3 +720,17 @@ def test_sink_mass_and_in_degree_match_loop_definitions(spec, data):
     assert (degree.sum(-1) <= 1 + 1e-5).all()
     if spec.mask_ignored_keys and Q.sum() > 0:  # no mass lost on ignored keys: a distribution over key tokens
         close(degree.sum(-1), torch.ones(spec.heads), atol=1e-5)
+
+
+@_settings(300)
+@given(spec=specs())
+def test_accumulate_attention_fast_path_equals_reference_path(spec):
+    batch = build(spec)
+    fast, ref = run(spec, batch, "fast"), run(spec, batch, "reference")
+    assert torch.equal(fast["C"], ref["C"]) and torch.equal(fast["Q"], ref["Q"]), "counts are exact"
+    assert fast["skipped"] == ref["skipped"]
+    rows = max(kept_rows(batch), 1)
+    for name in ("S", "U"):
+        close(fast[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    close(fast["P"][1:], ref["P"][1:], rtol=1e-5, atol=1e-6 * rows, msg="position sums but the entropy")
+    close(fast["P"][0], ref["P"][0], rtol=1e-5, atol=1e-5 * rows, msg="entropy sum")
