@@ -14,7 +14,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from attn_callbacks import functional as F
@@ -24,8 +24,12 @@ from attn_callbacks.export import save_epoch
 from attn_callbacks.metrics import AttentionAccumulator, AttentionStats, merge_stats
 from attn_callbacks.render import TokenLabels
 from attn_callbacks.tokens import (
+    OTHER_LABEL,
     TokenSource,
     check_ids_in_range,
+    compact_index,
+    most_frequent_ids,
+    parse_bytes,
     read_stream,
     resolve_streams,
     resolve_vocab_sizes,
@@ -87,7 +91,8 @@ class AttentionMonitor(Callback):
         ignore_ids: token ids excluded as queries and as keys (padding, say); they may lie outside the vocabulary.
         batch_first: layout of the token id tensors in the batch: ``(B, L)`` when True, ``(L, B)`` when False.
         top_k: how many of the most frequent query and key tokens the heatmaps show.
-        per_head: also log per-head scalars and the per-head heatmap grid.
+        per_head: also log per-head scalars and the per-head heatmap grid. When False only the mean of the heads is
+            accumulated (``H`` times less memory, a faster update); position statistics stay per head.
         num_pairs: rows of the text tables (one-way pairs, lift pairs, moved tokens, hubs).
         min_support: the least evidence a table or drift row needs: pair count both ways for one-way pairs, pair
             count for lift pairs, query count in both epochs for a row of the drift.
@@ -111,6 +116,17 @@ class AttentionMonitor(Callback):
         export_dir: the folder the files go to; ``{logger log_dir}/attention_epochs`` when None.
         monitor_test: also monitor ``trainer.test()`` epochs, logged under ``{prefix}_test...`` tags (never drift
             epochs). ``predict`` is never monitored.
+        max_tracked_tokens: keep exact sums for at most this many ids of a stream (an int for every stream, or a
+            mapping stream name -> int) and fold every other id into one ``<other>`` bucket on each axis, so rows
+            still sum to 1 and no mass is lost. State then grows with ``K²`` instead of ``V²``. The ids are the
+            ``sink_ids`` plus the most frequent ids of the validation set, counted in one pass over the validation
+            dataloaders (token ids only, no forward) when the first monitored epoch starts, then frozen (and
+            checkpointed) so epochs stay comparable. Streams whose vocabulary is not larger are kept whole.
+        tracked_ids: the ids to track instead of counting them: a sequence for every stream, or a mapping stream
+            name -> sequence (``sink_ids`` are added). Other ids fold into ``<other>``.
+        memory_budget: the most bytes of sums the callback may hold per device, over all modules and dataloaders
+            (an int, or a string such as ``"1GiB"`` or ``"512MB"``); it refuses to start, naming the figure and the
+            knobs, rather than run out of memory. None for no limit. The figure is logged once either way.
 
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view).
@@ -146,6 +162,9 @@ class AttentionMonitor(Callback):
         export: Literal["pt", "npz"] | None = None,
         export_dir: str | None = None,
         monitor_test: bool = False,
+        max_tracked_tokens: int | dict[str, int] | None = None,
+        tracked_ids: Sequence[int] | dict[str, Sequence[int]] | None = None,
+        memory_budget: int | str | None = "1GiB",
     ) -> None:
         self._getters = stream_getters(token_ids)
         self._vocab = resolve_vocab_sizes(vocab_size, list(self._getters))
@@ -202,6 +221,19 @@ class AttentionMonitor(Callback):
         self.export = export
         self.export_dir = export_dir
         self.monitor_test = bool(monitor_test)
+        self._track_limit = self._resolve_track_limit(max_tracked_tokens, streams)
+        # stream -> the tracked ids, compact index c holding id tracked[c] (CPU int64); frozen once set.
+        self._tracked: dict[str, Tensor] = self._resolve_tracked_ids(tracked_ids, streams)
+        for stream, limit in self._track_limit.items():
+            if len(self._sinks[stream]) > limit:
+                raise ValueError(
+                    f"Argument `max_tracked_tokens`={limit} for stream {stream!r} is smaller than its "
+                    f"{len(self._sinks[stream])} `sink_ids`, which are always tracked"
+                )
+        self.memory_budget = None if memory_budget is None else parse_bytes("memory_budget", memory_budget)
+        self._compact_tables: dict[str, Tensor] = {}  # stream -> id -> compact index, on the device
+        self._pairs: dict[tuple[str, str], Tensor] = {}  # this batch's pair index per (query, key) stream
+        self._budget_logged = False
 
         self._attention: dict[str, nn.MultiheadAttention] = {}
         self._streams_of: dict[str, tuple[str, str]] = {}
@@ -262,6 +294,39 @@ class AttentionMonitor(Callback):
             return {s: _int_list("sink_ids", ids) for s, ids in sink_ids.items()}
         return dict.fromkeys(streams, _int_list("sink_ids", sink_ids))
 
+    @staticmethod
+    def _resolve_track_limit(limit: Any, streams: list[str]) -> dict[str, int]:
+        if limit is None:
+            return {}
+        if isinstance(limit, Mapping):
+            unknown = [s for s in limit if s not in streams]
+            if unknown:
+                raise ValueError(f"Argument `max_tracked_tokens` names unknown stream(s) {unknown}; streams: {streams}")
+            return {s: _positive_int("max_tracked_tokens", k) for s, k in limit.items()}
+        return dict.fromkeys(streams, _positive_int("max_tracked_tokens", limit))
+
+    def _resolve_tracked_ids(self, tracked_ids: Any, streams: list[str]) -> dict[str, Tensor]:
+        if tracked_ids is None:
+            return {}
+        if isinstance(tracked_ids, Mapping):
+            unknown = [s for s in tracked_ids if s not in streams]
+            if unknown:
+                raise ValueError(f"Argument `tracked_ids` names unknown stream(s) {unknown}; streams: {streams}")
+            given = {s: _int_list("tracked_ids", ids) for s, ids in tracked_ids.items()}
+        else:
+            given = dict.fromkeys(streams, _int_list("tracked_ids", tracked_ids))
+        tracked = {}
+        for stream, ids in given.items():
+            bad = [i for i in ids if not 0 <= i < self._vocab[stream]]
+            if bad or not ids:
+                raise ValueError(
+                    f"Expected argument `tracked_ids` to hold ids in [0, {self._vocab[stream]}) for stream {stream!r}, "
+                    f"but got {bad or ids}"
+                )
+            always = [i for i in self._sinks[stream] if i not in ids]
+            tracked[stream] = torch.tensor(always + ids, dtype=torch.long)
+        return tracked
+
     # ----------------------------------------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Find the attention modules and decide their token streams; misconfiguration fails here, not mid-epoch."""
@@ -280,6 +345,7 @@ class AttentionMonitor(Callback):
                     f"[0, {self._vocab[stream]}) of stream {stream!r}"
                 )
         self._capture = AttentionCapture(self._attention, self._consume)
+        self._check_budget(loaders=1)  # fail before training starts; checked again with the real dataloader count
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._monitored(trainer):
@@ -320,14 +386,17 @@ class AttentionMonitor(Callback):
         loaders = max(len(batches), 1)
         self._stage_prefix = stage_prefix
         with torch.inference_mode(False):  # state tensors must be normal tensors, not inference tensors
+            self._choose_tracked(trainer)
+            self._check_budget(loaders)  # before any allocation
             for name, module in self._attention.items():
                 device = _module_device(module)
                 for idx in range(loaders):
                     metric = self._metrics.get((name, idx))
                     if metric is None:
                         query_stream, key_stream = self._streams_of[name]
-                        sizes = (module.num_heads, self._vocab[query_stream], self._vocab[key_stream])
-                        metric = self._metrics[(name, idx)] = AttentionAccumulator(*sizes)
+                        sizes = (module.num_heads, self._size(query_stream), self._size(key_stream))
+                        metric = AttentionAccumulator(*sizes, mean_of_heads=not self.per_head)
+                        self._metrics[(name, idx)] = metric
                     metric.to(device)
                     metric.reset()
         for key in [key for key in self._metrics if key[1] >= loaders]:  # fewer loaders than last time
@@ -340,11 +409,12 @@ class AttentionMonitor(Callback):
     ) -> None:
         self._batch = batch
         self._batch_ids.clear()
+        self._pairs.clear()
         self._probe_capturing = False
         self._dataloader_idx = dataloader_idx
         if self._capture is not None and self._capture.attached:
             # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
-            ids = {stream: self._stream_ids(stream, pl_module.device)[0] for stream in self._used_streams()}
+            ids = {stream: self._stream_ids(stream, pl_module.device)[2] for stream in self._used_streams()}
             first = batch_idx == 0 and dataloader_idx == 0 and not (trainer.sanity_checking or trainer.testing)
             if self.probe == "first" and first:
                 self._probe_capturing = self._match_probe(ids)
@@ -360,6 +430,7 @@ class AttentionMonitor(Callback):
     ) -> None:
         self._batch = None
         self._batch_ids.clear()
+        self._pairs.clear()
         self._probe_capturing = False
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -422,7 +493,7 @@ class AttentionMonitor(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """What drift and the probe need to carry on after a resume: previous and reference ``P`` (per head) with
-        their query counts, their epochs, and the frozen probe ids. Tensors only, so checkpoints load with
+        their query counts, their epochs, the frozen probe ids and tracked ids. Tensors only, so checkpoints load with
         ``weights_only=True``; size ``Σ_modules 2 · (H · Vq · Vk + Vq) · 4`` bytes, plus the probe ids."""
         return {
             "version": _STATE_VERSION,
@@ -431,6 +502,7 @@ class AttentionMonitor(Callback):
             "previous": self._previous,
             "reference": self._reference,
             "probe_ids": self._probe_ids,
+            "tracked_ids": dict(self._tracked),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -443,6 +515,9 @@ class AttentionMonitor(Callback):
         self._previous = state_dict["previous"]
         self._reference = state_dict["reference"]
         self._probe_ids = state_dict["probe_ids"]
+        # The tracked ids were frozen when the checkpointed run chose them: keep them, so epochs stay comparable.
+        self._tracked.update(state_dict.get("tracked_ids") or {})
+        self._compact_tables.clear()
 
     # ----------------------------------------------------------------------------------------------------- internals
     def _monitored(self, trainer: Trainer) -> bool:
@@ -463,6 +538,7 @@ class AttentionMonitor(Callback):
             self._capture.detach()
         self._batch = None
         self._batch_ids.clear()
+        self._pairs.clear()
         self._probe_capturing = self._probe_only = False
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -470,14 +546,106 @@ class AttentionMonitor(Callback):
             self._warned.add(key)
             rank_zero_warn(message)
 
-    def _stream_ids(self, stream: str, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(ids, valid) of one stream of the current batch, read once per batch."""
+    def _stream_ids(self, stream: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """(ids as accumulated, valid, ids as in the batch) of one stream of the current batch, read once per batch.
+        Accumulated ids are compact indices (``<other>`` last) for a tracked stream, the batch's ids otherwise."""
         if stream not in self._batch_ids:
             ids = read_stream(self._batch, stream, self._getters[stream], self.batch_first).to(device)
+            valid = self._valid(ids)
             if self.validate_args:
-                check_ids_in_range(ids, self._valid(ids), self._vocab[stream], stream)
-            self._batch_ids[stream] = (ids, self._valid(ids))
+                check_ids_in_range(ids, valid, self._vocab[stream], stream)
+            compact = ids
+            if stream in self._tracked:
+                table = self._compact_tables.get(stream)
+                if table is None or table.device != ids.device:
+                    table = compact_index(self._tracked[stream], self._vocab[stream]).to(ids.device)
+                    self._compact_tables[stream] = table
+                # Ignored positions may hold anything (pad = -100): clamp so the lookup stays in range.
+                compact = table[ids.long().clamp(0, self._vocab[stream] - 1)]
+            self._batch_ids[stream] = (compact, valid, ids)
         return self._batch_ids[stream]
+
+    def _size(self, stream: str) -> int:
+        """Vocabulary size of a stream as accumulated: tracked ids + ``<other>``, or the whole vocabulary."""
+        tracked = self._tracked.get(stream)
+        return self._vocab[stream] if tracked is None else len(tracked) + 1
+
+    def _pending(self, stream: str) -> bool:
+        """Whether the stream will be tracked but its ids are not chosen yet."""
+        limit = self._track_limit.get(stream)
+        return stream not in self._tracked and limit is not None and self._vocab[stream] > limit
+
+    def _choose_tracked(self, trainer: Trainer) -> None:
+        """Count the ids of every pending stream over the evaluation dataloaders (ids only, no forward; summed over
+        processes) and freeze the most frequent ones."""
+        pending = [stream for stream in self._used_streams() if self._pending(stream)]
+        if not pending:
+            return
+        device = trainer.strategy.root_device
+        counts = {s: torch.zeros(self._vocab[s] + 1, dtype=torch.long, device=device) for s in pending}
+        if trainer.testing:
+            loaders, limits = trainer.test_dataloaders, trainer.num_test_batches
+        else:
+            loaders, limits = trainer.val_dataloaders, trainer.num_val_batches
+        for loader, limit in zip(_as_list(loaders), limits, strict=False):
+            for index, batch in enumerate(_fresh_iter(loader)):
+                if index >= limit:
+                    break
+                for stream in pending:
+                    ids = read_stream(batch, stream, self._getters[stream], self.batch_first).to(device)
+                    valid = self._valid(ids)
+                    if self.validate_args:
+                        check_ids_in_range(ids, valid, self._vocab[stream], stream)
+                    where = torch.where(valid, ids.long(), self._vocab[stream]).reshape(-1)  # ignored -> last cell
+                    counts[stream].index_add_(0, where, valid.reshape(-1).long())
+        for stream in pending:
+            total = trainer.strategy.reduce(counts[stream], reduce_op="sum")[:-1]  # same counts on every rank
+            self._tracked[stream] = most_frequent_ids(total, self._track_limit[stream], self._sinks[stream])
+            rank_zero_info(
+                f"AttentionMonitor: tracking {len(self._tracked[stream])} of {self._vocab[stream]} ids of stream "
+                f"{stream!r} ({float(total[self._tracked[stream]].sum()) / max(float(total.sum()), 1):.1%} of its "
+                "validation tokens); the rest fold into <other>"
+            )
+
+    def _state_bytes(self, loaders: int) -> dict[str, int]:
+        """Bytes of sums each module will hold per device (all its dataloaders); a tracked stream whose ids are not
+        chosen yet counts with its limit."""
+
+        def size(stream: str) -> int:
+            return self._track_limit[stream] + 1 if self._pending(stream) else self._size(stream)
+
+        return {
+            name: loaders
+            * AttentionAccumulator.state_bytes(
+                module.num_heads, size(self._streams_of[name][0]), size(self._streams_of[name][1]), not self.per_head
+            )
+            for name, module in self._attention.items()
+        }
+
+    def _check_budget(self, loaders: int) -> None:
+        per_module = self._state_bytes(loaders)
+        total = sum(per_module.values())
+        budget = self.memory_budget
+        if not self._budget_logged and loaders > 0 and per_module:
+            self._budget_logged = True
+            rank_zero_info(
+                f"AttentionMonitor: {len(per_module)} attention module(s) × {loaders} dataloader(s) will hold "
+                f"{_format_bytes(total)} of attention sums per device (memory_budget: "
+                f"{'none' if budget is None else _format_bytes(budget)})"
+            )
+        if budget is None or total <= budget:
+            return
+        largest = max(per_module, key=per_module.__getitem__)
+        query_stream, key_stream = self._streams_of[largest]
+        raise MisconfigurationException(
+            f"AttentionMonitor would hold {_format_bytes(total)} of attention sums per device "
+            f"({len(per_module)} module(s) × {loaders} dataloader(s); the largest, {largest!r}, "
+            f"{_format_bytes(per_module[largest])} for a {self._size(query_stream)} × {self._size(key_stream)} "
+            f"vocabulary), over argument `memory_budget`={_format_bytes(budget)}. Sums grow with the square of the "
+            "vocabulary: set `max_tracked_tokens` (e.g. 2048 keeps exact sums for the 2048 most frequent ids and "
+            "folds the rest into <other>), or `per_head=False` (the mean of the heads only), or select fewer modules "
+            "with `modules`, or raise `memory_budget` (None disables the check)."
+        )
 
     def _valid(self, ids: Tensor) -> Tensor:
         if not self.ignore_ids:
@@ -504,7 +672,7 @@ class AttentionMonitor(Callback):
         """Run ``probe_forward`` on the user's probe batch with the hooks attached, keeping only the probe weights."""
         self._batch = move_data_to_device(self.probe, pl_module.device)
         self._batch_ids.clear()
-        ids = {stream: self._stream_ids(stream, pl_module.device)[0] for stream in self._used_streams()}
+        ids = {stream: self._stream_ids(stream, pl_module.device)[2] for stream in self._used_streams()}
         self._probe_ids = {stream: t[: self.probe_samples].detach().cpu() for stream, t in ids.items()}
         self._probe_only = True
         try:
@@ -524,8 +692,8 @@ class AttentionMonitor(Callback):
             weights = weights.unsqueeze(0)
         query_stream, key_stream = self._streams_of[name]
         # .to() is a no-op unless the module lives on another device than the LightningModule's (model parallel).
-        query_ids, query_valid = (t.to(weights.device) for t in self._stream_ids(query_stream, weights.device))
-        key_ids, key_valid = (t.to(weights.device) for t in self._stream_ids(key_stream, weights.device))
+        query_ids, query_valid, _ = (t.to(weights.device) for t in self._stream_ids(query_stream, weights.device))
+        key_ids, key_valid, _ = (t.to(weights.device) for t in self._stream_ids(key_stream, weights.device))
         batch, _, len_q, len_k = weights.shape
         if query_ids.shape != (batch, len_q) or key_ids.shape != (batch, len_k):
             raise ValueError(
@@ -537,7 +705,14 @@ class AttentionMonitor(Callback):
         if self._probe_capturing or self._probe_only:
             self._probe_weights[name] = weights[: self.probe_samples].detach().float().cpu()
         if not self._probe_only:
-            self._metrics[(name, self._dataloader_idx)].update(weights, query_ids, key_ids, query_valid, key_valid)
+            # The pair index depends on the ids only: one per batch for all modules reading the same streams.
+            pairs = self._pairs.get((query_stream, key_stream))
+            if pairs is None or pairs.device != weights.device:
+                sizes = (self._size(query_stream), self._size(key_stream))
+                pairs = F.pair_index(query_ids, key_ids, query_valid, key_valid, *sizes)
+                self._pairs[(query_stream, key_stream)] = pairs
+            metric = self._metrics[(name, self._dataloader_idx)]
+            metric.update(weights, query_ids, key_ids, query_valid, key_valid, pairs=pairs)
 
     def _remember(self, all_stats: dict[str, AttentionStats], epoch: int) -> None:
         """Keep this epoch's ``P`` as the previous one, and as the reference when it is the reference epoch."""
@@ -552,7 +727,10 @@ class AttentionMonitor(Callback):
 
     def _export(self, trainer: Trainer, all_stats: dict[str, AttentionStats], directory: Path) -> None:
         path = directory / f"epoch={trainer.current_epoch:04d}-step={trainer.global_step}"
-        labels = {stream: None if self._labels[stream] is None else self._full_labels(stream) for stream in self._vocab}
+        labels = {
+            stream: None if self._labels[stream] is None and stream not in self._tracked else self._full_labels(stream)
+            for stream in self._vocab
+        }
         save_epoch(
             path.with_suffix(f".{self.export}"),
             all_stats,
@@ -563,9 +741,23 @@ class AttentionMonitor(Callback):
         )
 
     def _full_labels(self, stream: str) -> list[str]:
-        return render.label_tokens(range(self._vocab[stream]), self._labels[stream], max_length=None)
+        return self._label(range(self._size(stream)), stream, max_length=None)
 
-    def _label(self, ids: Sequence[int], stream: str) -> list[str]:
+    def _label(self, ids: Sequence[int], stream: str, max_length: int | None = render.MAX_LABEL) -> list[str]:
+        """Labels of accumulated ids (compact indices of a tracked stream: ``<other>`` for the bucket)."""
+        tracked = self._tracked.get(stream)
+        if tracked is None:
+            return render.label_tokens(list(ids), self._labels[stream], max_length=max_length)
+        originals = tracked.tolist()
+        return [
+            render.label_tokens([originals[c]], self._labels[stream], max_length=max_length)[0]
+            if c < len(originals)
+            else OTHER_LABEL
+            for c in ids
+        ]
+
+    def _token_label(self, ids: Sequence[int], stream: str) -> list[str]:
+        """Labels of ids as they are in the batch."""
         return render.label_tokens(list(ids), self._labels[stream])
 
     # ------------------------------------------------------------------------------------------------------- logging
@@ -613,6 +805,8 @@ class AttentionMonitor(Callback):
             add(f"position/{stat}", values.mean(), values)
         sinks = self._sinks.get(key_stream)
         if sinks:
+            if key_stream in self._tracked:  # sinks are always tracked: their compact indices
+                sinks = [self._tracked[key_stream].tolist().index(i) for i in sinks]
             sink_heads = F.sink_mass(stats.attention_sum, query_count, torch.tensor(sinks, device=mass.device))
             add("position/sink_mass", sink_heads.mean(), sink_heads)
         for which, memory in (("prev", previous), ("ref", reference)):
@@ -730,8 +924,8 @@ class AttentionMonitor(Callback):
             panels = torch.cat([per_head.mean(dim=0, keepdim=True), per_head]).numpy()
             images[f"{prefix}_probe/{layer}/sample_{sample}"] = render.head_grid(
                 panels,
-                self._label(q_ids[q_pos].tolist(), query_stream),
-                self._label(k_ids[k_pos].tolist(), key_stream),
+                self._token_label(q_ids[q_pos].tolist(), query_stream),
+                self._token_label(k_ids[k_pos].tolist(), key_stream),
                 f"{layer}: probe sample {sample}, attention weight (query position × key position)",
                 "weight",
                 titles=["mean of heads"] + [f"head {h}" for h in range(per_head.shape[0])],
@@ -829,3 +1023,28 @@ def _tensorboard_writer(trainer: Trainer) -> Any:
         if isinstance(logger, TensorBoardLogger):
             return logger.experiment
     return None
+
+
+def _as_list(loaders: Any) -> list[Any]:
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def _fresh_iter(loader: Any) -> Any:
+    """An iterator of its own over a dataloader: a persistent-workers DataLoader hands every ``iter()`` the same
+    iterator, which the running evaluation loop is using, so iterate a shallow copy without it."""
+    if isinstance(loader, torch.utils.data.DataLoader):
+        loader = copy.copy(loader)
+        loader._iterator = None
+    return iter(loader)
+
+
+def _format_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

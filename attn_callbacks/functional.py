@@ -205,6 +205,7 @@ def accumulate_attention(
 
     Args:
         sums: ``(H + 1, Vq * Vk + 1)`` float accumulator: ``S`` per head, then ``U``; the last column is discarded.
+            With 2 rows it holds ``mean_h S[h]`` instead of every head (a head-averaged state, ``H`` times smaller).
         pair_count: ``(Vq * Vk + 1,)`` integer accumulator ``C`` plus the discard cell.
         query_count: ``(Vq + 1,)`` integer accumulator ``Q`` plus a discard cell.
         position_sums: ``(len(POSITION_STATS), H)`` float accumulator.
@@ -239,20 +240,29 @@ def accumulate_attention(
     distance = distance.reshape(len_q * len_k, 1)
     row_plogp = weights.new_empty(num_heads, batch, len_q, dtype=dtype)  # Σ_j p log p, p = w renormalised
     row_distance = weights.new_empty(num_heads, batch, dtype=dtype)  # Σ_ij w |i - j| over valid keys
-    sample_bytes = (num_heads + 1) * len_q * len_k * torch.finfo(dtype).bits // 8
+    sample_bytes = (num_heads + 2) * len_q * len_k * torch.finfo(dtype).bits // 8
     chunk = batch if weights.is_cuda else max(1, _CPU_CHUNK_BYTES // max(sample_bytes, 1))
+    channels = sums.shape[0] - 1  # H, or 1 for the mean of the heads
+    if channels not in (num_heads, 1):
+        raise ValueError(f"Expected `sums` to have H + 1 = {num_heads + 1} or 2 rows, but got {sums.shape[0]}")
     tiny = torch.finfo(dtype).tiny
     zero = weights.new_zeros((), dtype=dtype)
     for start in range(0, batch, chunk):
         stop = min(start + chunk, batch)
         size = stop - start
-        # Head-major (H + 1, b, Lq, Lk): every head and U scatter with one index in one call.
-        source = weights.new_empty(num_heads + 1, size, len_q, len_k, dtype=dtype)
-        w = source[:num_heads]  # (H, b, Lq, Lk)
+        # Channel-major (channels + 1, b, Lq, Lk): every head (or their mean) and U scatter with one index in one call.
+        source = weights.new_empty(channels + 1, size, len_q, len_k, dtype=dtype)
+        w = (
+            source[:num_heads]
+            if channels == num_heads
+            else weights.new_empty(num_heads, size, len_q, len_k, dtype=dtype)
+        )
         # Ignored keys and dropped rows become 0 (torch.where, so a NaN cannot leak in as NaN * 0).
         torch.where(kept[start:stop, None], weights[start:stop].to(dtype), zero, out=w.transpose(0, 1))
-        source[num_heads] = uniform[start:stop]
-        sums.index_add_(1, flat[start:stop].reshape(-1), source.view(num_heads + 1, -1))
+        if channels != num_heads:
+            torch.mean(w, dim=0, out=source[0])
+        source[channels] = uniform[start:stop]
+        sums.index_add_(1, flat[start:stop].reshape(-1), source.view(channels + 1, -1))
         mass = torch.sum(w, dim=-1, keepdim=True)  # (H, b, Lq, 1)
         # Renormalise before the log (not log s - Σ w log w / s): exact even when the valid keys hold subnormal mass.
         p = w / torch.where(mass > 0, mass, 1)

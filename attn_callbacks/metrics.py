@@ -86,6 +86,8 @@ class AttentionAccumulator(Metric):
         num_heads: number of attention heads ``H``.
         query_vocab_size: size ``Vq`` of the vocabulary of the query tokens.
         key_vocab_size: size ``Vk`` of the vocabulary of the key tokens.
+        mean_of_heads: keep ``mean_h S[h]`` only (``attention_sum`` then has one row), ``H`` times less memory and a
+            faster update; position sums stay per head.
 
     Example:
         >>> acc = AttentionAccumulator(num_heads=1, query_vocab_size=3, key_vocab_size=3)
@@ -106,7 +108,9 @@ class AttentionAccumulator(Metric):
     skipped_rows: Tensor
     position_sums: Tensor
 
-    def __init__(self, num_heads: int, query_vocab_size: int, key_vocab_size: int, **kwargs) -> None:
+    def __init__(
+        self, num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool = False, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         for name, value in (
             ("num_heads", num_heads),
@@ -118,10 +122,12 @@ class AttentionAccumulator(Metric):
         self.num_heads = num_heads
         self.query_vocab_size = query_vocab_size
         self.key_vocab_size = key_vocab_size
+        self.mean_of_heads = bool(mean_of_heads)
+        channels = 1 if mean_of_heads else num_heads
         plane = query_vocab_size * key_vocab_size + 1  # the vocabulary plane plus the discard cell
         # Created as normal tensors (never inside inference mode) so they can be updated in place anywhere.
         with torch.inference_mode(False):
-            self.add_state("sums", torch.zeros(num_heads + 1, plane), "sum")
+            self.add_state("sums", torch.zeros(channels + 1, plane), "sum")
             self.add_state("pair_count", torch.zeros(plane, dtype=torch.long), "sum")
             self.add_state("query_count", torch.zeros(query_vocab_size + 1, dtype=torch.long), "sum")
             self.add_state("skipped_rows", torch.zeros((), dtype=torch.long), "sum")
@@ -129,12 +135,12 @@ class AttentionAccumulator(Metric):
             self.add_state("position_sums", torch.zeros(len(F.POSITION_STATS), num_heads), "sum")
 
     @staticmethod
-    def state_bytes(num_heads: int, query_vocab_size: int, key_vocab_size: int) -> int:
+    def state_bytes(num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool = False) -> int:
         """Bytes of state one accumulator holds: ``(H + 1) · (Vq · Vk + 1) · 4 + (Vq · Vk + 1) · 8 + (Vq + 1) · 8``
-        plus a few scalars (float32 sums, int64 counts)."""
+        plus a few scalars (float32 sums, int64 counts); ``H`` counts as 1 with ``mean_of_heads``."""
         plane = query_vocab_size * key_vocab_size + 1
         return (
-            (num_heads + 1) * plane * 4
+            ((1 if mean_of_heads else num_heads) + 1) * plane * 4
             + plane * 8
             + (query_vocab_size + 1) * 8
             + 8
@@ -173,7 +179,7 @@ class AttentionAccumulator(Metric):
     def compute(self) -> AttentionStats:
         """The (process-summed) sums and counts in their usual shapes (views of the state, discard cells dropped),
         with ``P = S / Q`` and ``M = S / C`` per head."""
-        heads, vocab_q, vocab_k = self.num_heads, self.query_vocab_size, self.key_vocab_size
+        heads, vocab_q, vocab_k = self.sums.shape[0] - 1, self.query_vocab_size, self.key_vocab_size
         plane = self.sums[:, : vocab_q * vocab_k].view(heads + 1, vocab_q, vocab_k)
         return stats_from_sums(
             attention_sum=plane[:heads],

@@ -14,10 +14,10 @@ __all__ = ["TokenLabels", "figure_to_array", "head_grid", "heatmap", "label_toke
 
 TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | None
 
-_MAX_LABEL = 14
+MAX_LABEL = 14
 
 
-def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length: int | None = _MAX_LABEL) -> list[str]:
+def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length: int | None = MAX_LABEL) -> list[str]:
     """Readable labels for token ids: from a list, dict or callable, else the id itself.
 
     Args:

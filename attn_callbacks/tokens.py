@@ -14,7 +14,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_STREAM", "TokenSource", "read_stream", "resolve_streams", "resolve_vocab_sizes", "stream_getters"]
+__all__ = [
+    "DEFAULT_STREAM",
+    "OTHER_LABEL",
+    "TokenSource",
+    "compact_index",
+    "most_frequent_ids",
+    "parse_bytes",
+    "read_stream",
+    "resolve_streams",
+    "resolve_vocab_sizes",
+    "stream_getters",
+]
 
 #: The stream name used when ``token_ids`` is a single key or callable.
 DEFAULT_STREAM = "tokens"
@@ -187,3 +198,74 @@ def resolve_streams(
             )
         resolved[name] = pair  # type: ignore[assignment]
     return resolved
+
+
+#: Label of the bucket that all untracked ids of a stream fold into (see ``max_tracked_tokens``).
+OTHER_LABEL = "<other>"
+
+
+def most_frequent_ids(counts: Tensor, k: int, always: Sequence[int] = ()) -> Tensor:
+    """The ids to track: ``always`` first (in the order given), then the most frequent other ids seen at least once,
+    up to ``k`` in all; ties go to the smaller id, so every process picks the same set from the same counts.
+
+    Args:
+        counts: ``(V,)`` occurrences of each id.
+        k: how many ids to track at most.
+        always: ids tracked whatever their count (special tokens whose sink mass is logged, say).
+
+    Returns:
+        1-D int64 tensor on the CPU: position ``c`` holds the id stored at compact index ``c``.
+
+    Example:
+        >>> most_frequent_ids(torch.tensor([5, 0, 9, 5, 1]), 3, always=[4]).tolist()
+        [4, 2, 0]
+    """
+    counts = counts.detach().cpu().clone()
+    forced = list(dict.fromkeys(always))
+    counts[forced] = -1  # placed first anyway
+    order = torch.sort(counts, descending=True, stable=True).indices
+    frequent = order[counts[order] > 0][: max(k - len(forced), 0)]
+    return torch.cat([torch.tensor(forced, dtype=torch.long), frequent])
+
+
+def compact_index(tracked: Tensor, vocab_size: int) -> Tensor:
+    """Lookup table id -> compact index: tracked id ``tracked[c]`` -> ``c``, every other id -> ``len(tracked)``, the
+    "other" bucket.
+
+    Example:
+        >>> compact_index(torch.tensor([3, 0]), 5).tolist()
+        [1, 2, 2, 0, 2]
+    """
+    table = torch.full((vocab_size,), len(tracked), dtype=torch.long)
+    table[tracked] = torch.arange(len(tracked))
+    return table
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS["tib"] = 2**40
+
+
+def parse_bytes(name: str, value: int | float | str) -> int:
+    """A byte count from an int or a string such as ``"1GiB"``, ``"512 MB"`` or ``"2e9"``; errors name ``name``.
+
+    Example:
+        >>> parse_bytes("memory_budget", "1.5 GiB")
+        1610612736
+    """
+    text = value.strip().lower().replace(" ", "") if isinstance(value, str) else None
+    number: float | None = None
+    if text is not None:
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        digits = text[: -len(unit)] if unit else text
+        try:
+            number = float(digits) * _UNITS[unit or "b"]
+        except ValueError:
+            number = None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    if number is None or not number > 0 or number == float("inf"):
+        raise ValueError(
+            f"Expected argument `{name}` to be a positive number of bytes or a string such as '1GiB' or '512MB', "
+            f"but got {value!r}"
+        )
+    return int(number)

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention
 from attn_callbacks.functional import accumulate_attention_reference, attention_mass
+from attn_callbacks.tokens import most_frequent_ids
 
 VOCAB, PAD, LENGTH = 12, 0, 6
 
@@ -725,3 +726,132 @@ def test_callback_options_that_ddp_spawn_cannot_pickle_raise_naming_the_argument
         pickle.dumps(monitor)
     assert copy.deepcopy(monitor)._getters.keys() == monitor._getters.keys()  # deep copies need no pickling
     assert pickle.loads(pickle.dumps(AttentionMonitor(VOCAB, "input_ids")))._vocab == {"tokens": VOCAB}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tracked vocabulary and memory budget
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def fold(tracked, vocab):
+    """(K + 1, V) float64 0/1 matrix sending id tracked[c] to row c and every other id to row K: the independent
+    reference of the <other> bucket, S_tracked = F S Fᵀ, Q_tracked = F Q."""
+    matrix = torch.zeros(len(tracked) + 1, vocab, dtype=torch.float64)
+    matrix[len(tracked)] = 1
+    for c, token in enumerate(tracked):
+        matrix[:, token] = 0
+        matrix[c, token] = 1
+    return matrix
+
+
+def test_callback_tracked_vocabulary_equals_dense_on_the_tracked_block_and_other_is_the_folded_mass(tmp_path):
+    seed_everything(0)
+    model, batches = TinyEncoder(), make_batches()
+    dense, tracked = Recorder(VOCAB, "input_ids", ignore_ids=[PAD]), None
+    run_validate(tmp_path / "dense", dense, batches, model)
+    tracked = Recorder(VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=4, sink_ids=[1])
+    mean_only = Recorder(VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=4, sink_ids=[1], per_head=False)
+    run_validate(tmp_path / "tracked", tracked, batches, model)
+    run_validate(tmp_path / "mean", mean_only, batches, model)
+
+    # sink id 1 first, then the 3 most frequent other ids (ties: smaller id), counted by hand over the whole set
+    ids = torch.cat([b["input_ids"] for b in batches]).flatten()
+    counts = torch.bincount(ids[ids != PAD], minlength=VOCAB).tolist()
+    frequent = sorted((i for i in range(VOCAB) if i not in (PAD, 1) and counts[i]), key=lambda i: (-counts[i], i))
+    expected = [1, *frequent[:3]]
+    assert tracked._tracked["tokens"].tolist() == expected
+    F_ = fold(expected, VOCAB)
+    for name in ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn"):
+        d, t, m = dense.last[name], tracked.last[name], mean_only.last[name]
+        assert t.attention_sum.shape == (2, 5, 5) and m.attention_sum.shape == (1, 5, 5)
+        S = F_ @ d.attention_sum.double() @ F_.T
+        torch.testing.assert_close(t.attention_sum.double(), S, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m.attention_sum[0].double(), S.mean(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(t.uniform_sum.double(), F_ @ d.uniform_sum.double() @ F_.T, rtol=1e-5, atol=1e-6)
+        assert torch.equal(t.pair_count.double(), F_ @ d.pair_count.double() @ F_.T)
+        assert torch.equal(t.query_count.double(), F_ @ d.query_count.double())
+        # the tracked block is the dense sums themselves; rows still sum to 1 with <other>; no mass lost
+        block = torch.tensor(expected)
+        assert torch.equal(t.attention_sum[:, :4, :4], d.attention_sum[:, block][:, :, block])
+        seen = t.query_count > 0
+        torch.testing.assert_close(t.attention_mass[:, seen].sum(-1), torch.ones(2, int(seen.sum())))
+        torch.testing.assert_close(t.position_sums, d.position_sums)  # positions do not depend on the vocabulary
+    labels = tracked._label(range(5), "tokens")
+    assert labels == [str(i) for i in expected] + ["<other>"]
+
+
+def test_callback_tracked_ids_are_frozen_across_epochs_and_carried_by_the_checkpoint_state(tmp_path):
+    seed_everything(0)
+    batches = make_batches()
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=3)
+    model = TinyEncoder()
+    run_validate(tmp_path / "a", monitor, batches, model)
+    first = monitor._tracked["tokens"].clone()
+    # the same run sees other data next time: the tracked ids stay, the data is not counted again
+    flipped = [{"input_ids": torch.where(b["input_ids"] == PAD, PAD, VOCAB - b["input_ids"])} for b in batches]
+    ids = torch.cat([b["input_ids"] for b in flipped]).flatten()
+    assert most_frequent_ids(torch.bincount(ids[ids != PAD], minlength=VOCAB), 3).tolist() != first.tolist()
+    run_validate(tmp_path / "b", monitor, flipped, model)
+    assert torch.equal(monitor._tracked["tokens"], first)
+    assert all(m.query_vocab_size == 4 for m in monitor._metrics.values())
+    # a resumed run gets them from the state dict
+    resumed = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=3)
+    state = torch.load(io.BytesIO(_saved(monitor.state_dict())), weights_only=True)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed._tracked["tokens"], first)
+
+
+def _saved(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def test_callback_memory_budget_refuses_before_any_allocation_with_the_figure_and_the_knobs(tmp_path):
+    # 10^6 ids, 2 heads: 12 TB of sums, which no allocation could survive, so the error must come first
+    monitor = AttentionMonitor(10**6, "input_ids", ignore_ids=[PAD])
+    with pytest.raises(MisconfigurationException, match=r"would hold 36\.4 TiB .*memory_budget`=1\.0 GiB") as info:
+        run_validate(tmp_path, monitor, make_batches())
+    for knob in ("max_tracked_tokens", "per_head=False", "`modules`"):
+        assert knob in str(info.value)
+    assert monitor._metrics == {}
+    # per module: (H + 1) · (V² + 1) · 4 + (V² + 1) · 8 + (V + 1) · 8 + 8 + 6 · H · 4 bytes; 2 modules
+    small = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], memory_budget="1KiB")
+    per_module = 3 * 145 * 4 + 145 * 8 + 13 * 8 + 8 + 6 * 2 * 4
+    model = TinyEncoder()
+    with pytest.raises(MisconfigurationException, match=f"would hold {2 * per_module / 1024:.1f} KiB"):
+        trainer(tmp_path, [small], max_epochs=1).fit(model, *loaders())
+    assert model.global_step == 0 and small._metrics == {}  # refused at setup, before training
+    assert AttentionMonitor(VOCAB, "input_ids", memory_budget=None).memory_budget is None
+
+
+def test_callback_bert_sized_vocabulary_runs_end_to_end_within_the_default_budget(tmp_path):
+    vocab = 30_522
+    seed_everything(0)
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)  # Zipf(1) ids, as in real text
+    ids = torch.multinomial(weights, 64 * 128, replacement=True, generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids.view(64, 128)[i : i + 16]} for i in range(0, 64, 16)]  # ~2,800 distinct ids
+
+    class Bert(TinyEncoder):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(vocab, 16), nn.Linear(16, vocab)
+
+    dense = AttentionMonitor(vocab, "input_ids")
+    with pytest.raises(MisconfigurationException, match="would hold 34\\.7 GiB .*max_tracked_tokens"):
+        trainer(tmp_path / "dense", [dense], max_epochs=1).fit(Bert(), batches, batches)
+    monitor = Recorder(vocab, "input_ids", max_tracked_tokens=2048, sink_ids=[101, 102], top_k=8)
+    logger = TensorBoardLogger(tmp_path, name="bert")
+    t = trainer(tmp_path, [monitor], logger=logger, max_epochs=2, num_sanity_val_steps=0, limit_train_batches=1)
+    t.fit(Bert(), DataLoader(batches, batch_size=None), DataLoader(batches, batch_size=None))
+    assert sum(monitor._state_bytes(1).values()) < 2**30
+    stats = monitor.last["encoder.layers.1.self_attn"]
+    assert stats.attention_sum.shape == (2, 2049, 2049)
+    assert (
+        int(stats.query_count.sum()) == 64 * 128
+        and float(stats.attention_mass.sum(-1)[:, stats.query_count > 0].min()) > 0.999
+    )
+    events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    js = events.Scalars("attention_drift/js_prev/encoder.layers.1.self_attn")
+    assert len(js) == 1 and math.isfinite(js[0].value)
