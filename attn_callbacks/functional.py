@@ -295,8 +295,8 @@ def accumulate_attention(
 def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
     """``numerator / denominator`` with 0 wherever the denominator is 0 (broadcasting as usual)."""
     denominator = denominator.to(numerator.dtype) if numerator.is_floating_point() else denominator.double()
-    quotient = numerator / torch.where(denominator == 0, torch.ones_like(denominator), denominator)
-    return torch.where(denominator == 0, torch.zeros_like(quotient), quotient)
+    # x / 0 is inf or NaN here, and torch.where replaces it: no temporary ones/zeros of the full size.
+    return torch.where(denominator == 0, 0.0, numerator / denominator)
 
 
 def attention_mass(attention_sum: Tensor, query_count: Tensor) -> Tensor:
@@ -537,8 +537,11 @@ def attention_drift(
     Returns:
         ``(js, frobenius)``, each ``(...)``.
     """
-    weights = (current_count * _supported_rows(current_count, reference_count, min_support)).to(current.dtype)
-    js = safe_divide((js_divergence(current, reference) * weights).sum(dim=-1), weights.sum())
+    supported = _supported_rows(current_count, reference_count, min_support)
+    rows = supported.nonzero()[:, 0]  # JS only where it has weight: often a small share of the vocabulary
+    weights = current_count[rows].to(current.dtype)
+    js_rows = js_divergence(current[..., rows, :], reference[..., rows, :].to(current.dtype))
+    js = safe_divide((js_rows * weights).sum(dim=-1), weights.sum())
     frobenius = safe_divide(
         torch.linalg.matrix_norm(current - reference), torch.linalg.matrix_norm(reference.to(current.dtype))
     )
@@ -563,11 +566,9 @@ def moved_tokens(
     Returns:
         Up to ``k`` tuples ``(a, JS)``, largest first (ties: smaller id first).
     """
-    score = torch.where(
-        _supported_rows(current_count, reference_count, min_support),
-        js_divergence(current, reference),
-        float("-inf"),
-    )
+    rows = _supported_rows(current_count, reference_count, min_support).nonzero()[:, 0]
+    score = torch.full(current_count.shape, float("-inf"), dtype=current.dtype, device=current.device)
+    score[rows] = js_divergence(current[rows], reference[rows].to(current.dtype))
     order = torch.sort(score, descending=True, stable=True).indices
     order = order[torch.isfinite(score[order])][:k]
     return [(int(a), float(score[a])) for a in order.tolist()]
