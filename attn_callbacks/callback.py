@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -450,9 +449,8 @@ class AttentionMonitor(Callback):
                 "skipped; scalars are still logged to the Trainer's loggers.",
             )
         writer = writer if trainer.is_global_zero else None
-        with warnings.catch_warnings():  # a dataloader with no batch on this rank is fine: its sums are zeros
-            warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
-            per_loader = {key: metric.compute() for key, metric in self._metrics.items()}  # a collective under DDP
+        # A collective under DDP. Views of the state, not torchmetrics' copy: the state is reset right after use.
+        per_loader = {key: metric.stats() for key, metric in self._metrics.items()}
         loaders = 1 + max(idx for _, idx in per_loader)
         all_stats = {
             name: merge_stats([per_loader[(name, idx)] for idx in range(loaders)]) if loaders > 1 else stats

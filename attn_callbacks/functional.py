@@ -13,6 +13,8 @@ Rows are queries and columns are keys, always. Nothing here knows about Lightnin
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -245,7 +247,6 @@ def accumulate_attention(
     channels = sums.shape[0] - 1  # H, or 1 for the mean of the heads
     if channels not in (num_heads, 1):
         raise ValueError(f"Expected `sums` to have H + 1 = {num_heads + 1} or 2 rows, but got {sums.shape[0]}")
-    tiny = torch.finfo(dtype).tiny
     zero = weights.new_zeros((), dtype=dtype)
     for start in range(0, batch, chunk):
         stop = min(start + chunk, batch)
@@ -263,11 +264,7 @@ def accumulate_attention(
             torch.mean(w, dim=0, out=source[0])
         source[channels] = uniform[start:stop]
         sums.index_add_(1, flat[start:stop].reshape(-1), source.view(channels + 1, -1))
-        mass = torch.sum(w, dim=-1, keepdim=True)  # (H, b, Lq, 1)
-        # Renormalise before the log (not log s - Σ w log w / s): exact even when the valid keys hold subnormal mass.
-        p = w / torch.where(mass > 0, mass, 1)
-        plogp = p.clamp(min=tiny).log_().mul_(p)  # p log p, 0 where p = 0
-        torch.sum(plogp, dim=-1, out=row_plogp[:, start:stop])
+        row_plogp[:, start:stop] = _row_plogp(w, w.sum(dim=-1), exact=weights.is_cuda)
         row_distance[:, start:stop] = (w.view(num_heads * size, len_q * len_k) @ distance).view(num_heads, size)
 
     def diagonal(offset: int) -> Tensor:
@@ -290,6 +287,32 @@ def accumulate_attention(
         ]
     ).to(position_sums.dtype)
     return skipped
+
+
+# Rows whose valid keys hold at least this much of the mass take the one-pass entropy formula on CPU.
+_ONE_PASS_MIN_MASS = 0.5
+
+
+def _row_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
+    """``Σ_j p log p`` per row of ``w (..., L)``, where ``p = w / mass`` (``mass`` the row sums, ``(...)``); 0 for an
+    all-zero row.
+
+    ``exact`` renormalises first (several element-wise passes; the GPU path). Otherwise one pass computes
+    ``Σ w log w / s - log s`` (``log2``, which is vectorised on CPU where ``log`` is not, scaled by ``ln 2``), exact
+    up to rounding when the row mass ``s`` is not small; the rare rows where ignored keys hold most of the mass are
+    redone the exact way, so subnormal masses lose no precision.
+    """
+    tiny = torch.finfo(w.dtype).tiny
+    if exact:
+        p = w / torch.where(mass > 0, mass, 1)[..., None]
+        return p.clamp(min=tiny).log_().mul_(p).sum(dim=-1)
+    w_log_w = w.clamp(min=tiny).log2_().mul_(w).sum(dim=-1).mul_(math.log(2.0))  # 0 log 0 = 0: clamp, then * 0
+    safe = torch.where(mass > 0, mass, 1)
+    result = w_log_w / safe - safe.log()
+    small = ((mass > 0) & (mass < _ONE_PASS_MIN_MASS)).nonzero(as_tuple=True)
+    if small[0].numel():
+        result[small] = _row_plogp(w[small], mass[small], exact=True)
+    return result
 
 
 def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:

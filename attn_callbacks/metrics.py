@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -14,16 +15,18 @@ from attn_callbacks import functional as F
 __all__ = ["AttentionAccumulator", "AttentionStats", "merge_stats", "stats_from_sums"]
 
 
-class AttentionStats(NamedTuple):
+@dataclass(eq=False)
+class AttentionStats:
     """What :meth:`AttentionAccumulator.compute` returns; see the glossary in the README.
+
+    The raw sums are fields; ``P`` and ``M`` are derived on first access (each is as large as ``S``, and the
+    callback never needs ``M``).
 
     Attributes:
         attention_sum: ``S``, ``(H, Vq, Vk)`` float32.
         pair_count: ``C``, ``(Vq, Vk)`` int64.
         query_count: ``Q``, ``(Vq,)`` int64.
         skipped_rows: number of valid query rows dropped because their weights were not finite (0-dim int64).
-        attention_mass: ``P = S / Q[:, None]`` per head, ``(H, Vq, Vk)``.
-        mean_weight: ``M = S / C`` per head, ``(H, Vq, Vk)``.
         uniform_sum: ``U``, the uniform-attention baseline, ``(Vq, Vk)`` float32 (see
             :func:`attn_callbacks.functional.lift`).
         position_sums: ``(len(POSITION_STATS), H)`` float32 position-level sums (see
@@ -34,14 +37,22 @@ class AttentionStats(NamedTuple):
     pair_count: Tensor
     query_count: Tensor
     skipped_rows: Tensor
-    attention_mass: Tensor
-    mean_weight: Tensor
     uniform_sum: Tensor
     position_sums: Tensor
 
+    @cached_property
+    def attention_mass(self) -> Tensor:
+        """``P = S / Q[:, None]`` per head, ``(H, Vq, Vk)`` (see :func:`attn_callbacks.functional.attention_mass`)."""
+        return F.attention_mass(self.attention_sum, self.query_count)
+
+    @cached_property
+    def mean_weight(self) -> Tensor:
+        """``M = S / C`` per head, ``(H, Vq, Vk)`` (see :func:`attn_callbacks.functional.mean_weight`)."""
+        return F.mean_weight(self.attention_sum, self.pair_count)
+
 
 # The raw sums, in the order stats_from_sums takes them; also the export file format: never reorder or rename.
-_SUMS = ("attention_sum", "pair_count", "query_count", "skipped_rows", "uniform_sum", "position_sums")
+_SUMS = tuple(field.name for field in fields(AttentionStats))
 
 
 def stats_from_sums(
@@ -52,17 +63,8 @@ def stats_from_sums(
     uniform_sum: Tensor,
     position_sums: Tensor,
 ) -> AttentionStats:
-    """An :class:`AttentionStats` from the raw sums, with ``P = S / Q`` and ``M = S / C`` derived per head."""
-    return AttentionStats(
-        attention_sum=attention_sum,
-        pair_count=pair_count,
-        query_count=query_count,
-        skipped_rows=skipped_rows,
-        attention_mass=F.attention_mass(attention_sum, query_count),
-        mean_weight=F.mean_weight(attention_sum, pair_count),
-        uniform_sum=uniform_sum,
-        position_sums=position_sums,
-    )
+    """An :class:`AttentionStats` from the raw sums (``P = S / Q`` and ``M = S / C`` derived per head on access)."""
+    return AttentionStats(attention_sum, pair_count, query_count, skipped_rows, uniform_sum, position_sums)
 
 
 def merge_stats(parts: Sequence[AttentionStats]) -> AttentionStats:
@@ -177,11 +179,20 @@ class AttentionAccumulator(Metric):
         self.skipped_rows += skipped
 
     def compute(self) -> AttentionStats:
-        """The (process-summed) sums and counts in their usual shapes (views of the state, discard cells dropped),
-        with ``P = S / Q`` and ``M = S / C`` per head."""
+        """The (process-summed) sums and counts in their usual shapes (discard cells dropped); ``P = S / Q`` and
+        ``M = S / C`` per head are derived on access. torchmetrics returns a copy; see :meth:`stats` for views."""
+        return self._unpack()
+
+    def stats(self) -> AttentionStats:
+        """What :meth:`compute` returns, summed across processes like it, but as views of the state, without the copy
+        torchmetrics makes (hundreds of MB for a large vocabulary). Valid until the next update or reset."""
+        with self.sync_context(dist_sync_fn=self.dist_sync_fn):
+            return self._unpack()
+
+    def _unpack(self) -> AttentionStats:
         heads, vocab_q, vocab_k = self.sums.shape[0] - 1, self.query_vocab_size, self.key_vocab_size
-        plane = self.sums[:, : vocab_q * vocab_k].view(heads + 1, vocab_q, vocab_k)
-        return stats_from_sums(
+        plane = self.sums[:, : vocab_q * vocab_k].view(heads + 1, vocab_q, vocab_k)  # (channels + 1, Vq, Vk)
+        return AttentionStats(
             attention_sum=plane[:heads],
             pair_count=self.pair_count[: vocab_q * vocab_k].view(vocab_q, vocab_k),
             query_count=self.query_count[:vocab_q],

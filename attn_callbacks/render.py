@@ -44,7 +44,34 @@ def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length
     return labels
 
 
-def _draw(ax, matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], diverging: bool, vmax: float | None):
+# Fixed layout in inches, computed from the labels: matplotlib's constrained layout measures every tick label
+# several times and was most of the cost of an epoch's images.
+_CELL = 0.22  # inches per heatmap row or column
+_CHAR = 0.6 / 72  # inches per character per point of font size (a generous average glyph width)
+_TITLE = 0.45  # inches above an axes for its title
+_AXIS_LABEL = 0.3  # inches for "query token (attending)" / "key token (attended to)"
+_COLORBAR = 1.0  # inches right of the panels for the colour bar and its label
+
+
+def _font_size(rows: int, cols: int) -> int:
+    return 7 if max(rows, cols) <= 30 else 5
+
+
+def _label_inches(labels: Sequence[str], size: int) -> float:
+    """Room for tick labels of this font size: the longest label, plus the tick."""
+    return max((len(label) for label in labels), default=1) * size * _CHAR + 0.1
+
+
+def _draw(
+    ax,
+    matrix: np.ndarray,
+    rows: Sequence[str] | None,
+    cols: Sequence[str] | None,
+    diverging: bool,
+    vmax: float | None,
+    size: int,
+):
+    """One heatmap on ``ax``; tick labels only for the axes given (``None``: no ticks, as for inner grid panels)."""
     if diverging:
         limit = vmax if vmax is not None else _abs_max(matrix)
         image = ax.imshow(
@@ -52,11 +79,16 @@ def _draw(ax, matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], dive
         )
     else:
         image = ax.imshow(matrix, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto", interpolation="nearest")
-    size = 7 if max(len(rows), len(cols)) <= 30 else 5
-    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=size)
-    ax.set_yticks(range(len(rows)), rows, fontsize=size)
-    ax.set_xlabel("key token (attended to)")
-    ax.set_ylabel("query token (attending)")
+    if cols is None:
+        ax.set_xticks([])
+    else:
+        ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=size)
+        ax.set_xlabel("key token (attended to)", fontsize=8)
+    if rows is None:
+        ax.set_yticks([])
+    else:
+        ax.set_yticks(range(len(rows)), rows, fontsize=size)
+        ax.set_ylabel("query token (attending)", fontsize=8)
     return image
 
 
@@ -66,8 +98,39 @@ def _abs_max(matrix: np.ndarray) -> float:
     return max(float(finite.max()) if finite.size else 0.0, 1e-12)
 
 
-def _figsize(rows: int, cols: int) -> tuple[float, float]:
-    return 2.5 + 0.22 * max(cols, 8), 2.0 + 0.22 * max(rows, 8)
+def _grid_figure(
+    nrows: int,
+    ncols: int,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title_lines: int,
+    cell: float = _CELL,
+) -> tuple[Figure, list[list[tuple[float, float, float, float]]], tuple[float, float, float, float], int]:
+    """A figure sized for ``nrows × ncols`` heatmap panels, the panels' rectangles and the colour bar's (figure
+    fractions), and the tick font size."""
+    size = _font_size(len(row_labels), len(col_labels))
+    panel_w, panel_h = cell * max(len(col_labels), 8), cell * max(len(row_labels), 8)
+    left = _label_inches(row_labels, size) + _AXIS_LABEL
+    bottom = _label_inches(col_labels, size) + _AXIS_LABEL
+    gap_w, gap_h = 0.2, _TITLE
+    top = _TITLE * title_lines
+    width = left + ncols * panel_w + (ncols - 1) * gap_w + _COLORBAR
+    height = bottom + nrows * panel_h + (nrows - 1) * gap_h + top
+    panels = [
+        [
+            (
+                (left + c * (panel_w + gap_w)) / width,
+                (bottom + (nrows - 1 - r) * (panel_h + gap_h)) / height,
+                panel_w / width,
+                panel_h / height,
+            )
+            for c in range(ncols)
+        ]
+        for r in range(nrows)
+    ]
+    panels_height = nrows * panel_h + (nrows - 1) * gap_h
+    colorbar = ((width - _COLORBAR + 0.15) / width, bottom / height, 0.15 / width, panels_height / height)
+    return Figure(figsize=(width, height), dpi=100), panels, colorbar, size
 
 
 def heatmap(
@@ -91,11 +154,11 @@ def heatmap(
         vmax: top of the colour scale (symmetric limit when diverging); the data's maximum if None. NaN cells are
             drawn blank.
     """
-    figure = Figure(figsize=_figsize(len(row_labels), len(col_labels)), dpi=100, layout="constrained")
-    ax = figure.add_subplot()
-    image = _draw(ax, matrix, row_labels, col_labels, diverging, vmax)
-    ax.set_title(title, fontsize=9)
-    figure.colorbar(image, ax=ax, label=colorbar_label, shrink=0.8)
+    figure, panels, colorbar, size = _grid_figure(1, 1, row_labels, col_labels, title_lines=1)
+    ax = figure.add_axes(panels[0][0])
+    image = _draw(ax, matrix, row_labels, col_labels, diverging, vmax, size)
+    ax.set_title(title, fontsize=9, loc="left")
+    figure.colorbar(image, cax=figure.add_axes(colorbar), label=colorbar_label)
     return figure
 
 
@@ -110,6 +173,8 @@ def head_grid(
 ) -> Figure:
     """Per-head heatmaps ``(H, R, C)`` in a grid sharing one colour scale, so heads compare by eye.
 
+    Query labels are on the first column of panels and key labels under the bottom panel of each column.
+
     Args:
         matrices: ``(H, R, C)``.
         row_labels: ``R`` query token labels.
@@ -123,19 +188,18 @@ def head_grid(
     titles = [f"head {h}" for h in range(heads)] if titles is None else list(titles)
     ncols = min(heads, 4)
     nrows = math.ceil(heads / ncols)
-    width, height = _figsize(len(row_labels), len(col_labels))
-    figure = Figure(figsize=(width * ncols * 0.8, height * nrows * 0.8), dpi=100, layout="constrained")
-    axes = figure.subplots(nrows, ncols, squeeze=False)
+    figure, panels, colorbar, size = _grid_figure(nrows, ncols, row_labels, col_labels, 2, cell=_CELL * 0.75)
     vmax = _abs_max(matrices)
     image = None
-    for h, ax in enumerate(axes.flat):
-        if h >= heads:
-            ax.set_axis_off()
-            continue
-        image = _draw(ax, matrices[h], row_labels, col_labels, diverging, vmax)
+    for h in range(heads):
+        r, c = divmod(h, ncols)
+        bottom_of_column = h + ncols >= heads
+        ax = figure.add_axes(panels[r][c])
+        rows = row_labels if c == 0 else None
+        image = _draw(ax, matrices[h], rows, col_labels if bottom_of_column else None, diverging, vmax, size)
         ax.set_title(titles[h], fontsize=9)
-    figure.suptitle(title, fontsize=10)
-    figure.colorbar(image, ax=axes, label=colorbar_label, shrink=0.6)
+    figure.suptitle(title, fontsize=10, x=0.02, ha="left", y=1 - 0.1 / figure.get_figheight(), va="top")
+    figure.colorbar(image, cax=figure.add_axes(colorbar), label=colorbar_label)
     return figure
 
 

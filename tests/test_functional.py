@@ -710,3 +710,19 @@ def test_position_statistics_normalised_entropy_stays_at_most_one_when_ignored_k
     assert math.isclose(float(stats["entropy_normalized"][0]), 1.0, rel_tol=1e-6)
     with pytest.raises(ValueError, match="square \\(V, V\\) matrix for PageRank, but got shape \\(\\)"):
         F.pagerank(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_row_plogp_one_pass_and_exact_paths_match_float64_loop(exact):
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(4, 6, generator=g)
+    w[0] /= w[0].sum()  # mass 1: the one-pass formula
+    w[1] *= 1e-3  # small mass: redone exactly on the one-pass path
+    w[2] = torch.tensor([1e-40, 3e-41, 0.0, 0.0, 2e-42, 0.0])  # subnormal mass
+    w[3] = 0.0  # nothing visible: 0
+    got = F._row_plogp(w, w.sum(dim=-1), exact=exact)
+    expected = []
+    for row in w.double().tolist():
+        total = sum(row)
+        expected.append(sum(x / total * math.log(x / total) for x in row if x > 0) if total > 0 else 0.0)
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-6)

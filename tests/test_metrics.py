@@ -1,6 +1,6 @@
 import torch
 
-from attn_callbacks.metrics import AttentionAccumulator
+from attn_callbacks.metrics import _SUMS, AttentionAccumulator
 
 
 def batches():
@@ -67,5 +67,8 @@ def test_accumulator_shared_pair_index_gives_the_same_sums():
         qv, kv = q != 5, k != 0  # some ignored positions
         own.update(w, q, k, qv, kv)
         shared.update(w, q, k, qv, kv, pairs=pair_index(q, k, qv, kv, 6, 4))
-    for a, b in zip(own.compute(), shared.compute(), strict=True):
-        assert torch.equal(a, b)
+    for field in (*_SUMS, "attention_mass", "mean_weight"):
+        assert torch.equal(getattr(own.compute(), field), getattr(shared.compute(), field)), field
+        # stats(): the same numbers as views of the state, without torchmetrics' copy
+        assert torch.equal(getattr(own.stats(), field), getattr(own.compute(), field)), field
+    assert own.stats().attention_sum.untyped_storage().data_ptr() == own.sums.untyped_storage().data_ptr()
