@@ -830,7 +830,7 @@ class AttentionMonitor(Callback):
             )
         if writer is not None:
             self._write_images_and_text(
-                writer, name, layer, stats, mass, mass_heads, previous, reference, step, prefix, suffix
+                writer, name, layer, stats, mass, mass_heads, sum_mean, previous, reference, step, prefix, suffix
             )
 
     def _check_collapse(self, name: str, entropy_normalized: Tensor, query_count: Tensor) -> None:
@@ -853,6 +853,7 @@ class AttentionMonitor(Callback):
         stats: AttentionStats,
         mass: Tensor,
         mass_heads: Tensor,
+        sum_mean: Tensor,
         previous: dict[str, Tensor] | None,
         reference: dict[str, Tensor] | None,
         step: int,
@@ -875,34 +876,39 @@ class AttentionMonitor(Callback):
             def block(matrix: Tensor) -> Any:  # (..., Vq, Vk) -> (..., top rows, top cols) as numpy
                 return matrix[..., rows, :][..., cols].float().cpu().numpy()
 
-            def draw(matrix: Tensor, title: str, colour: str, diverging: bool = False) -> Any:
-                return render.heatmap(block(matrix), row_labels, col_labels, f"{layer}: {title}", colour, diverging)
+            def draw(shown: Tensor, title: str, colour: str, diverging: bool = False) -> Any:
+                matrix = shown.float().cpu().numpy()
+                return render.heatmap(matrix, row_labels, col_labels, f"{layer}: {title}", colour, diverging)
 
-            images[f"{prefix}_mass/{layer}"] = draw(mass, "attention mass P (mean of heads)", "P[query, key]")
+            images[f"{prefix}_mass/{layer}"] = draw(
+                mass[rows][:, cols], "attention mass P (mean of heads)", "P[query, key]"
+            )
             if self.per_head:
                 images[f"{prefix}_mass_heads/{layer}"] = render.head_grid(
                     block(mass_heads), row_labels, col_labels, f"{layer}: attention mass P per head", "P[query, key]"
                 )
-            if square:
+            # Maps are drawn from the shown block only: differences of whole V × V matrices would be wasted work.
+            shown = mass[rows][:, cols]  # (top rows, top cols)
+            if square:  # rows == cols, so the block of Pᵀ is the transposed block
                 images[f"{prefix}_asymmetry_map/{layer}"] = draw(
-                    mass - mass.T, "P - Pᵀ (red: query attends to key more than back)", "P[a, b] - P[b, a]", True
+                    shown - shown.T, "P - Pᵀ (red: query attends to key more than back)", "P[a, b] - P[b, a]", True
                 )
-            lift = F.lift(stats.attention_sum.mean(dim=0), stats.uniform_sum)
+            lift = F.lift(sum_mean[rows][:, cols], stats.uniform_sum[rows][:, cols])
             # log2 lift, blank where the pair was never visible (no evidence either way).
-            log_lift = torch.where(stats.pair_count > 0, torch.log2(lift.clamp(min=1e-6)), float("nan"))
+            log_lift = torch.where(stats.pair_count[rows][:, cols] > 0, torch.log2(lift.clamp(min=1e-6)), float("nan"))
             images[f"{prefix}_lift_map/{layer}"] = draw(
                 log_lift, "log2 lift over uniform attention (red: more than chance)", "log2(S / U)", True
             )
             if reference is not None:
-                ref_mass = reference["attention_mass"].to(mass.device).mean(dim=0)
+                ref_mass = reference["attention_mass"][:, rows.cpu()][:, :, cols.cpu()].to(mass.device).mean(dim=0)
                 images[f"{prefix}_drift_map/{layer}"] = draw(
-                    mass - ref_mass,
+                    shown - ref_mass,
                     f"P now - P at epoch {self._reference_epoch} (red: attends more now)",
                     "P_t - P_ref",
                     True,
                 )
         if self.num_pairs:
-            texts.update(self._tables(name, layer, stats, mass, previous, reference, prefix))
+            texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix))
         for tag, figure in images.items():
             writer.add_image(tag + suffix, render.figure_to_array(figure), step, dataformats="HWC")
         for tag, text in texts.items():
@@ -935,6 +941,7 @@ class AttentionMonitor(Callback):
         layer: str,
         stats: AttentionStats,
         mass: Tensor,
+        sum_mean: Tensor,
         previous: dict[str, Tensor] | None,
         reference: dict[str, Tensor] | None,
         prefix: str,
@@ -961,7 +968,7 @@ class AttentionMonitor(Callback):
             ]
             header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
             tables[f"{prefix}_one_way_pairs/{layer}"] = table(header, rows, f"{needs} in both directions.")
-        lift = F.lift(stats.attention_sum.mean(dim=0), stats.uniform_sum)
+        lift = F.lift(sum_mean, stats.uniform_sum)
         rows = [
             (q_label(a), k_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / stats.query_count[a]))
             for a, b, score in F.top_pairs(lift, count, self.num_pairs, self.min_support)
@@ -996,7 +1003,7 @@ class AttentionMonitor(Callback):
                 "Q now",
             )
             tables[f"{prefix}_drift_tokens/{layer}"] = table(header, rows, "No query token seen often enough.")
-        degree = F.in_degree(stats.attention_sum.mean(dim=0), stats.query_count)
+        degree = F.in_degree(sum_mean, stats.query_count)
         if square:
             rank = F.pagerank(mass)
             order = F.top_tokens(rank * (degree > 0), self.num_pairs).tolist()

@@ -289,6 +289,13 @@ def accumulate_attention(
     return skipped
 
 
+def _x_log_x(x: Tensor) -> Tensor:
+    """``Σ x log x`` over the last dimension (``0 log 0 = 0``), with ``log2`` (vectorised on CPU, where ``log`` is
+    not) scaled by ``ln 2``."""
+    tiny = torch.finfo(x.dtype).tiny
+    return x.clamp(min=tiny).log2_().mul_(x).sum(dim=-1).mul_(math.log(2.0))
+
+
 # Rows whose valid keys hold at least this much of the mass take the one-pass entropy formula on CPU.
 _ONE_PASS_MIN_MASS = 0.5
 
@@ -306,9 +313,9 @@ def _row_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
     if exact:
         p = w / torch.where(mass > 0, mass, 1)[..., None]
         return p.clamp(min=tiny).log_().mul_(p).sum(dim=-1)
-    w_log_w = w.clamp(min=tiny).log2_().mul_(w).sum(dim=-1).mul_(math.log(2.0))  # 0 log 0 = 0: clamp, then * 0
+    w_log_w = _x_log_x(w)
     safe = torch.where(mass > 0, mass, 1)
-    result = w_log_w / safe - safe.log()
+    result = (w_log_w / safe - safe.log()).clamp_(max=0)  # rounding must not make an entropy negative
     small = ((mass > 0) & (mass < _ONE_PASS_MIN_MASS)).nonzero(as_tuple=True)
     if small[0].numel():
         result[small] = _row_plogp(w[small], mass[small], exact=True)
@@ -408,17 +415,19 @@ def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int =
     Returns:
         Up to ``k`` tuples ``(a, b, A[a, b])`` with ``A > 0``, most one-way first.
     """
-    support = torch.minimum(pair_count, pair_count.T) >= min_support
-    score = pairwise_asymmetry(matrix)
-    gap = matrix - matrix.T
-    eligible = (support & (score > 0)).reshape(-1)
-    # Two stable sorts = lexicographic order on (score, gap), both descending.
-    order = torch.sort(gap.reshape(-1), descending=True, stable=True).indices
-    order = order[torch.sort(score.reshape(-1)[order], descending=True, stable=True).indices]
-    order = order[eligible[order]][:k]
     size = matrix.shape[-1]
-    flat_score = score.reshape(-1)
-    return [(int(i) // size, int(i) % size, float(flat_score[i])) for i in order.tolist()]
+    support = torch.minimum(pair_count, pair_count.T) >= min_support
+    # A > 0 iff P[a, b] > P[b, a]: only those cells are candidates, usually a small share of V².
+    candidates = (support & (matrix > matrix.T)).reshape(-1).nonzero()[:, 0]  # ascending flat index
+    forward = matrix.reshape(-1)[candidates]
+    backward = matrix.T.reshape(-1)[candidates]
+    gap = forward - backward
+    score = gap / (forward + backward)
+    # Two stable sorts = lexicographic order on (score, gap), both descending; then the smaller flat index.
+    order = torch.sort(gap, descending=True, stable=True).indices
+    order = order[torch.sort(score[order], descending=True, stable=True).indices][:k]
+    chosen = zip(candidates[order].tolist(), score[order].tolist(), strict=True)
+    return [(i // size, i % size, a) for i, a in chosen]
 
 
 def row_entropy(matrix: Tensor, query_count: Tensor) -> Tensor:
@@ -434,8 +443,7 @@ def row_entropy(matrix: Tensor, query_count: Tensor) -> Tensor:
     Returns:
         ``(...)`` tensor.
     """
-    rows = safe_divide(matrix, matrix.sum(dim=-1, keepdim=True))
-    entropy = -torch.special.xlogy(rows, rows).sum(dim=-1)  # (..., Vq)
+    entropy = -_row_plogp(matrix, matrix.sum(dim=-1), exact=matrix.is_cuda)  # (..., Vq)
     weights = query_count.to(entropy.dtype)
     return safe_divide((entropy * weights).sum(dim=-1), weights.sum())
 
@@ -458,11 +466,14 @@ def top_pairs(score: Tensor, pair_count: Tensor, k: int, min_support: int = 1) -
     Returns:
         Up to ``k`` tuples ``(a, b, score[a, b])``, largest first (ties: smaller flat index first).
     """
-    flat = torch.where(pair_count >= min_support, score, float("-inf")).reshape(-1)
-    order = torch.sort(flat, descending=True, stable=True).indices
-    order = order[torch.isfinite(flat[order])][:k]
+    candidates = (pair_count >= min_support).reshape(-1).nonzero()[:, 0]  # ascending flat index
+    values = score.reshape(-1)[candidates]
+    keep = torch.isfinite(values)
+    candidates, values = candidates[keep], values[keep]
+    order = torch.sort(values, descending=True, stable=True).indices[:k]
     size = score.shape[-1]
-    return [(int(i) // size, int(i) % size, float(flat[i])) for i in order.tolist()]
+    chosen = zip(candidates[order].tolist(), values[order].tolist(), strict=True)
+    return [(i // size, i % size, v) for i, v in chosen]
 
 
 def lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
@@ -506,9 +517,16 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
         >>> float(mean_lift(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.5]])))  # all mass on 1 of 2 keys
         2.0
     """
-    log_lift = torch.where(attention_sum > 0, torch.log(lift(attention_sum, uniform_sum).clamp(min=1e-30)), 0.0)
-    total = attention_sum.sum(dim=(-1, -2))
-    return torch.exp(safe_divide((attention_sum * log_lift).sum(dim=(-1, -2)), total))
+    # Σ S log(S / U) = Σ S log S - Σ S log U: where S > 0, U > 0 too (attention only lands on visible keys), and
+    # cells with S = 0 add 0 to both. log U is shared by every head: one matrix-vector product per head.
+    tiny = torch.finfo(attention_sum.dtype).tiny
+    log_uniform = uniform_sum.to(attention_sum.dtype).clamp(min=tiny).log2().reshape(-1)  # (Vq * Vk,)
+    flat = attention_sum.reshape(-1, log_uniform.numel())  # (..., Vq * Vk) -> (prod(...), Vq * Vk)
+    s_log_s = _x_log_x(flat) / math.log(2.0)  # in bits, like log_uniform
+    s_log_u = flat @ log_uniform
+    total = flat.sum(dim=-1)
+    exponent = safe_divide(s_log_s - s_log_u, total).reshape(attention_sum.shape[:-2])
+    return torch.exp2(exponent)
 
 
 def js_divergence(p: Tensor, q: Tensor) -> Tensor:
@@ -528,13 +546,12 @@ def js_divergence(p: Tensor, q: Tensor) -> Tensor:
         >>> float(js_divergence(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])))  # disjoint: log 2
         0.6931471824645996
     """
-    p = safe_divide(p, p.sum(dim=-1, keepdim=True))
-    q = safe_divide(q, q.sum(dim=-1, keepdim=True))
-    m = (p + q) / 2
-    kl_p = (torch.special.xlogy(p, p) - torch.special.xlogy(p, m)).sum(dim=-1)
-    kl_q = (torch.special.xlogy(q, q) - torch.special.xlogy(q, m)).sum(dim=-1)
-    both = (p.sum(dim=-1) > 0) & (q.sum(dim=-1) > 0)
-    return torch.where(both, (kl_p + kl_q) / 2, torch.zeros_like(kl_p)).clamp(min=0)
+    p_mass, q_mass = p.sum(dim=-1, keepdim=True), q.sum(dim=-1, keepdim=True)
+    p, q = safe_divide(p, p_mass), safe_divide(q, q_mass)
+    # ½ KL(p‖m) + ½ KL(q‖m) = ½ (Σ p log p + Σ q log q) - Σ m log m, as Σ p log m + Σ q log m = 2 Σ m log m.
+    js = (_x_log_x(p) + _x_log_x(q)) / 2 - _x_log_x((p + q) / 2)
+    both = (p_mass[..., 0] > 0) & (q_mass[..., 0] > 0)
+    return torch.where(both, js, 0.0).clamp(min=0)
 
 
 def _supported_rows(current_count: Tensor, reference_count: Tensor, min_support: int) -> Tensor:

@@ -127,14 +127,21 @@ class AttentionAccumulator(Metric):
         self.mean_of_heads = bool(mean_of_heads)
         channels = 1 if mean_of_heads else num_heads
         plane = query_vocab_size * key_vocab_size + 1  # the vocabulary plane plus the discard cell
+        self._shapes = {
+            "sums": ((channels + 1, plane), torch.float32),
+            "pair_count": ((plane,), torch.long),
+            "query_count": ((query_vocab_size + 1,), torch.long),
+            "skipped_rows": ((), torch.long),
+            # float32 like the other sums: float64 states would not move to MPS devices.
+            "position_sums": ((len(F.POSITION_STATS), num_heads), torch.float32),
+        }
         # Created as normal tensors (never inside inference mode) so they can be updated in place anywhere.
         with torch.inference_mode(False):
-            self.add_state("sums", torch.zeros(channels + 1, plane), "sum")
-            self.add_state("pair_count", torch.zeros(plane, dtype=torch.long), "sum")
-            self.add_state("query_count", torch.zeros(query_vocab_size + 1, dtype=torch.long), "sum")
-            self.add_state("skipped_rows", torch.zeros((), dtype=torch.long), "sum")
-            # float32 like the other sums: float64 states would not move to MPS devices.
-            self.add_state("position_sums", torch.zeros(len(F.POSITION_STATS), num_heads), "sum")
+            for name, (shape, dtype) in self._shapes.items():
+                self.add_state(name, torch.zeros(shape, dtype=dtype), "sum")
+                # torchmetrics keeps a copy of every default to reset from (and moves it with .to()): a second full
+                # state. Keep an empty one instead; reset() allocates the zeros.
+                self._defaults[name] = torch.zeros(0, dtype=dtype)
 
     @staticmethod
     def state_bytes(num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool = False) -> int:
@@ -202,6 +209,11 @@ class AttentionAccumulator(Metric):
         )
 
     def reset(self) -> None:
-        """Zero the sums; the fresh states are normal tensors even when called inside inference mode."""
+        """Zero the sums; the fresh states are normal tensors even when called inside inference mode. The old state
+        is released before the new one is allocated, so a reset never holds two."""
         with torch.inference_mode(False):
+            current = {name: (getattr(self, name).device, getattr(self, name).dtype) for name in self._shapes}
             super().reset()
+            for name, (shape, _) in self._shapes.items():
+                device, dtype = current[name]
+                setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))

@@ -72,3 +72,18 @@ def test_accumulator_shared_pair_index_gives_the_same_sums():
         # stats(): the same numbers as views of the state, without torchmetrics' copy
         assert torch.equal(getattr(own.stats(), field), getattr(own.compute(), field)), field
     assert own.stats().attention_sum.untyped_storage().data_ptr() == own.sums.untyped_storage().data_ptr()
+
+
+def test_accumulator_holds_one_copy_of_its_state_and_reset_zeroes_it():
+    acc = AttentionAccumulator(3, 6, 4)
+    # torchmetrics would keep a full-size default of every state to reset from: state_bytes must be the whole cost
+    held = sum(t.numel() * t.element_size() for t in acc.metric_state.values())
+    defaults = sum(t.numel() for t in acc._defaults.values())
+    assert held == AttentionAccumulator.state_bytes(3, 6, 4) and defaults == 0
+    for w, q, k in batches():
+        acc.update(w, q, k, torch.ones_like(q, dtype=torch.bool), torch.ones_like(k, dtype=torch.bool))
+    assert float(acc.sums.sum()) > 0
+    acc.reset()
+    assert acc.sums.shape == (4, 25) and acc.sums.dtype == torch.float32 and not acc.sums.any()
+    assert acc.pair_count.dtype == torch.long and acc.skipped_rows.shape == () and not acc.query_count.any()
+    assert sum(t.numel() * t.element_size() for t in acc.metric_state.values()) == held

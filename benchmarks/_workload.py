@@ -1,0 +1,81 @@
+"""The reference workload of the benchmarks: 4 × nn.TransformerEncoderLayer (d_model 256, 8 heads), batch 32, length
+128, an 8,000-token vocabulary with Zipf(1) (or uniform) token ids, a language-model head and loss."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+
+VOCAB, D_MODEL, HEADS, LAYERS, BATCH, LENGTH = 8000, 256, 8, 4, 32, 128
+
+
+class Encoder(LightningModule):
+    """Embedding, 4 stock encoder layers, a head over the vocabulary; validation computes the loss, as usual."""
+
+    def __init__(self, vocab: int = VOCAB, d_model: int = D_MODEL, heads: int = HEADS, layers: int = LAYERS):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        ids = batch["input_ids"]
+        logits = self.head(self.encoder(self.embed(ids)))
+        self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()))
+
+
+def token_ids(batches: int, distribution: str = "zipf", vocab: int = VOCAB, seed: int = 0) -> list[dict]:
+    """``batches`` batches of (BATCH, LENGTH) ids: Zipf(1) over the vocabulary (as in real text) or uniform."""
+    g = torch.Generator().manual_seed(seed)
+    if distribution == "zipf":
+        weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    else:
+        weights = torch.ones(vocab, dtype=torch.float64)
+    ids = torch.multinomial(weights, batches * BATCH * LENGTH, replacement=True, generator=g)
+    return [{"input_ids": chunk.view(BATCH, LENGTH)} for chunk in ids.split(BATCH * LENGTH)]
+
+
+def validate(model: LightningModule, batches: list[dict], callbacks: list) -> float:
+    """Wall seconds of one ``trainer.validate`` epoch (no logger output on the terminal)."""
+    import tempfile
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    with tempfile.TemporaryDirectory() as root:
+        trainer = Trainer(
+            accelerator="auto",
+            devices=1,
+            logger=TensorBoardLogger(root),
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        start = time.perf_counter()
+        trainer.validate(model, torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)
+        return time.perf_counter() - start
+
+
+def summary(values: list[float]) -> str:
+    return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
+
+
+def best_of(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median wall seconds of ``fn`` over ``repeats`` runs after one warm-up (CUDA synchronised)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

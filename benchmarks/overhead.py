@@ -1,0 +1,138 @@
+"""How much the callback adds to a validation epoch of the reference workload, measured side by side in one run.
+
+    python benchmarks/overhead.py [--batches 16] [--rounds 3]
+
+Configurations, interleaved round by round so that machine noise hits them alike:
+
+- model only: ``trainer.validate`` without callbacks;
+- floor: every attention module forced to return weights, each weight read once (``weights.sum()``): the least any
+  vocabulary × vocabulary accumulation could cost;
+- AttentionMonitor (reference): the callback as users run it (tracked to 2,048 ids + <other>, per head, every image,
+  table and scalar of the epoch logged), after a first epoch that chose the tracked ids;
+- AttentionMonitor per_head=False: the same keeping only the head-averaged sums (the cheapest knob);
+- naive: the approach of the question in seeds/000 done naively, a Python loop over query positions adding each
+  weight row into the vocabulary matrix (timed on 2 batches only: it is slow).
+
+Target: AttentionMonitor / model only <= 1.20 on CPU (<= 1.05 on GPU). "epoch end" is the callback's once-per-epoch
+work (sums to metrics, images, tables); "added ms/batch" is the rest, spread over the batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from lightning.pytorch import Callback
+
+from _workload import BATCH, HEADS, LAYERS, LENGTH, VOCAB, Encoder, summary, token_ids, validate
+from attn_callbacks import AttentionMonitor
+from attn_callbacks.capture import AttentionCapture, find_attention_modules
+
+
+class WeightsReader(Callback):
+    """Hooks every attention module like the monitor does and hands each batch's weights to ``consume``."""
+
+    def __init__(self, consume):
+        self.consume = consume
+        self.capture: AttentionCapture | None = None
+        self.ids: torch.Tensor | None = None
+
+    def on_validation_epoch_start(self, trainer, pl_module):
+        self.capture = AttentionCapture(find_attention_modules(pl_module), self._consume)
+        self.capture.attach()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.ids = batch["input_ids"]
+
+    def _consume(self, name, module, weights):
+        self.consume(name, weights, self.ids)
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.capture.detach()
+
+
+def floor(name, weights, ids):
+    weights.sum()
+
+
+def naive_loop(sums: dict[str, torch.Tensor], vocab: int):
+    """seeds/000 done naively: for every sample and query position, add the weight row at the key ids."""
+
+    def consume(name, weights, ids):
+        ids = ids.to(weights.device)
+        matrix = sums.setdefault(name, weights.new_zeros(weights.shape[1], vocab, vocab))
+        for n in range(weights.shape[0]):
+            for i in range(weights.shape[2]):
+                matrix[:, ids[n, i]].index_add_(1, ids[n], weights[n, :, i])
+
+    return consume
+
+
+class TimedMonitor(AttentionMonitor):
+    """The monitor, with the wall time of its epoch-end work (compute, metrics, images, tables) recorded."""
+
+    epoch_end: list[float]
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        start = time.perf_counter()
+        super().on_validation_epoch_end(trainer, pl_module)
+        self.epoch_end = [*getattr(self, "epoch_end", []), time.perf_counter() - start]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = Encoder().eval()
+    device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    print(
+        f"Reference workload: {LAYERS} x nn.TransformerEncoderLayer(d_model=256, nhead={HEADS}), batch {BATCH} x "
+        f"length {LENGTH}, vocabulary {VOCAB} tracked to 2048 ids + <other>, {args.batches} batches per "
+        f"epoch; torch {torch.__version__}, {device}, {platform.processor() or platform.machine()}"
+    )
+    print(
+        f"{'ids':8} {'configuration':32} {'epoch s':>8} {'x model only (min/med/max)':>27} {'epoch end s':>11} "
+        f"{'added ms/batch':>14}"
+    )
+    for distribution in ("zipf", "uniform"):
+        batches = token_ids(args.batches, distribution)
+        monitors = {
+            "AttentionMonitor (reference)": TimedMonitor(VOCAB, "input_ids", max_tracked_tokens=2048),
+            "AttentionMonitor per_head=False": TimedMonitor(
+                VOCAB, "input_ids", max_tracked_tokens=2048, per_head=False
+            ),
+        }
+        for monitor in monitors.values():
+            validate(model, batches, [monitor])  # warm-up; chooses and freezes the tracked ids
+            monitor.epoch_end = []
+        configs = {"model only": list, "floor (read weights once)": lambda: [WeightsReader(floor)]}
+        configs.update({name: (lambda m=m: [m]) for name, m in monitors.items()})
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        for _ in range(args.rounds):  # interleaved, so that machine noise hits every configuration alike
+            for name, callbacks in configs.items():
+                times[name].append(validate(model, batches, callbacks()))
+        base = statistics.median(times["model only"])
+        for name, values in times.items():
+            ratios = [t / b for t, b in zip(values, times["model only"], strict=True)]
+            end = statistics.median(monitors[name].epoch_end) if name in monitors else 0.0
+            added = (statistics.median(values) - base - end) / args.batches * 1e3
+            print(
+                f"{distribution:8} {name:32} {statistics.median(values):8.2f} {summary(ratios):>27} {end:11.2f} "
+                f"{added:14.1f}"
+            )
+    naive_batches = token_ids(2, "zipf")
+    base = validate(model, naive_batches, [])
+    naive = validate(model, naive_batches, [WeightsReader(naive_loop({}, VOCAB))])
+    print(
+        f"naive seeds/000 loop (full {VOCAB}^2 per head, 2 batches): {naive:.1f} s vs {base:.1f} s for the model "
+        f"alone, {naive / base:.1f}x; {(naive - base) / 2:.2f} s added per batch"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Time of one accumulation step (one attention module, one batch) as B, L, H and the vocabulary vary.
+
+    python benchmarks/scaling.py
+
+Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast path the callback runs) on softmax
+weights with Zipf(1) token ids, median of 5 after a warm-up. ``ns/weight`` divides by the B·H·L² weights read: flat
+down a column means the cost is linear in B·H·L²; flat across the vocabulary block means V only costs memory.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from _workload import best_of
+from attn_callbacks import functional as F
+
+BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
+
+
+def step_seconds(batch: int, length: int, heads: int, vocab: int, mean_of_heads: bool = False) -> float:
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(batch, heads, length, length, generator=g).softmax(dim=-1)
+    zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    ids = torch.multinomial(zipf, batch * length, replacement=True, generator=g).view(batch, length)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    channels = 1 if mean_of_heads else heads
+    sums = torch.zeros(channels + 1, vocab * vocab + 1)
+    pair_count = torch.zeros(vocab * vocab + 1, dtype=torch.long)
+    query_count = torch.zeros(vocab + 1, dtype=torch.long)
+    position_sums = torch.zeros(len(F.POSITION_STATS), heads)
+
+    def step() -> None:
+        pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)  # once per batch, shared by the modules
+        F.accumulate_attention(sums, pair_count, query_count, position_sums, weights, pairs, ids, valid, valid)
+
+    return best_of(step)
+
+
+def main() -> None:
+    print(
+        f"accumulate_attention, one module and batch; torch {torch.__version__}, "
+        f"{'cuda' if torch.cuda.is_available() else f'cpu ({torch.get_num_threads()} threads)'}, "
+        f"{platform.processor() or platform.machine()}"
+    )
+    print(f"{'varied':7} {'B':>4} {'L':>5} {'H':>4} {'V':>6} {'B·H·L² (M)':>11} {'ms':>8} {'ns/weight':>10}")
+    rows = [("base", dict(BASE))]
+    rows += [("B", {**BASE, "B": b}) for b in (8, 16, 64)]
+    rows += [("L", {**BASE, "L": n}) for n in (32, 64, 256)]
+    rows += [("H", {**BASE, "H": h}) for h in (2, 4, 16)]
+    rows += [("V", {**BASE, "V": v}) for v in (256, 1024, 4096, 8000)]
+    for varied, c in rows:
+        seconds = step_seconds(c["B"], c["L"], c["H"], c["V"])
+        weights = c["B"] * c["H"] * c["L"] ** 2
+        print(
+            f"{varied:7} {c['B']:4} {c['L']:5} {c['H']:4} {c['V']:6} {weights / 1e6:11.1f} {seconds * 1e3:8.1f} "
+            f"{seconds / weights * 1e9:10.2f}"
+        )
+    seconds = step_seconds(BASE["B"], BASE["L"], BASE["H"], BASE["V"], mean_of_heads=True)
+    weights = BASE["B"] * BASE["H"] * BASE["L"] ** 2
+    print(
+        f"{'per_head=False (head-mean sums only)':37} {weights / 1e6:11.1f} {seconds * 1e3:8.1f} "
+        f"{seconds / weights * 1e9:10.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
