@@ -253,6 +253,7 @@ class AttentionMonitor(Callback):
         self._probe_weights: dict[str, Tensor] = {}
         self._probe_capturing = False  # the current batch is the probe: copy its weights
         self._probe_only = False  # running probe_forward: copy weights, do not accumulate
+        self._figures = render.FigureCache()  # each image tag's figure, redrawn with new data every epoch
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.
@@ -270,14 +271,16 @@ class AttentionMonitor(Callback):
                     "needs to start its processes: use a module-level function or a batch key instead of a lambda "
                     "or local function, or strategy='ddp'"
                 ) from err
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        state["_figures"] = render.FigureCache()  # figures are a cache: rebuilt where needed
+        return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AttentionMonitor:
         # Deep copies need no pickling: skip __getstate__'s check so lambdas stay fine there.
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
         for key, value in self.__dict__.items():
-            setattr(clone, key, copy.deepcopy(value, memo))
+            setattr(clone, key, render.FigureCache() if key == "_figures" else copy.deepcopy(value, memo))
         return clone
 
     @property
@@ -873,35 +876,47 @@ class AttentionMonitor(Callback):
             row_labels = self._label(rows.tolist(), query_stream)
             col_labels = self._label(cols.tolist(), key_stream)
 
-            def block(matrix: Tensor) -> Any:  # (..., Vq, Vk) -> (..., top rows, top cols) as numpy
-                return matrix[..., rows, :][..., cols].float().cpu().numpy()
-
-            def draw(shown: Tensor, title: str, colour: str, diverging: bool = False) -> Any:
+            def draw(tag: str, shown: Tensor, title: str, colour: str, diverging: bool = False) -> None:
                 matrix = shown.float().cpu().numpy()
-                return render.heatmap(matrix, row_labels, col_labels, f"{layer}: {title}", colour, diverging)
-
-            images[f"{prefix}_mass/{layer}"] = draw(
-                mass[rows][:, cols], "attention mass P (mean of heads)", "P[query, key]"
-            )
-            if self.per_head:
-                images[f"{prefix}_mass_heads/{layer}"] = render.head_grid(
-                    block(mass_heads), row_labels, col_labels, f"{layer}: attention mass P per head", "P[query, key]"
+                images[tag] = self._figures.heatmap(
+                    tag + suffix, matrix, row_labels, col_labels, f"{layer}: {title}", colour, diverging
                 )
+
             # Maps are drawn from the shown block only: differences of whole V × V matrices would be wasted work.
             shown = mass[rows][:, cols]  # (top rows, top cols)
+            draw(f"{prefix}_mass/{layer}", shown, "attention mass P (mean of heads)", "P[query, key]")
+            if self.per_head:
+                tag = f"{prefix}_mass_heads/{layer}"
+                images[tag] = self._figures.head_grid(
+                    tag + suffix,
+                    mass_heads[:, rows][:, :, cols].float().cpu().numpy(),
+                    row_labels,
+                    col_labels,
+                    f"{layer}: attention mass P per head",
+                    "P[query, key]",
+                )
             if square:  # rows == cols, so the block of Pᵀ is the transposed block
-                images[f"{prefix}_asymmetry_map/{layer}"] = draw(
-                    shown - shown.T, "P - Pᵀ (red: query attends to key more than back)", "P[a, b] - P[b, a]", True
+                draw(
+                    f"{prefix}_asymmetry_map/{layer}",
+                    shown - shown.T,
+                    "P - Pᵀ (red: query attends to key more than back)",
+                    "P[a, b] - P[b, a]",
+                    True,
                 )
             lift = F.lift(sum_mean[rows][:, cols], stats.uniform_sum[rows][:, cols])
             # log2 lift, blank where the pair was never visible (no evidence either way).
             log_lift = torch.where(stats.pair_count[rows][:, cols] > 0, torch.log2(lift.clamp(min=1e-6)), float("nan"))
-            images[f"{prefix}_lift_map/{layer}"] = draw(
-                log_lift, "log2 lift over uniform attention (red: more than chance)", "log2(S / U)", True
+            draw(
+                f"{prefix}_lift_map/{layer}",
+                log_lift,
+                "log2 lift over uniform attention (red: more than chance)",
+                "log2(S / U)",
+                True,
             )
             if reference is not None:
                 ref_mass = reference["attention_mass"][:, rows.cpu()][:, :, cols.cpu()].to(mass.device).mean(dim=0)
-                images[f"{prefix}_drift_map/{layer}"] = draw(
+                draw(
+                    f"{prefix}_drift_map/{layer}",
                     shown - ref_mass,
                     f"P now - P at epoch {self._reference_epoch} (red: attends more now)",
                     "P_t - P_ref",
@@ -909,8 +924,8 @@ class AttentionMonitor(Callback):
                 )
         if self.num_pairs:
             texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix))
-        for tag, figure in images.items():
-            writer.add_image(tag + suffix, render.figure_to_array(figure), step, dataformats="HWC")
+        for tag, image in images.items():
+            writer.add_image(tag + suffix, image, step, dataformats="HWC")
         for tag, text in texts.items():
             writer.add_text(tag + suffix, text, step)
 
@@ -926,7 +941,9 @@ class AttentionMonitor(Callback):
             q_pos, k_pos = self._valid(q_ids).nonzero()[:, 0], self._valid(k_ids).nonzero()[:, 0]
             per_head = weights[sample][:, q_pos][:, :, k_pos]  # (H, valid Lq, valid Lk)
             panels = torch.cat([per_head.mean(dim=0, keepdim=True), per_head]).numpy()
-            images[f"{prefix}_probe/{layer}/sample_{sample}"] = render.head_grid(
+            tag = f"{prefix}_probe/{layer}/sample_{sample}"
+            images[tag] = self._figures.head_grid(
+                tag,
                 panels,
                 self._token_label(q_ids[q_pos].tolist(), query_stream),
                 self._token_label(k_ids[k_pos].tolist(), key_stream),

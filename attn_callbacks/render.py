@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-__all__ = ["TokenLabels", "figure_to_array", "head_grid", "heatmap", "label_tokens", "markdown_table"]
+__all__ = ["FigureCache", "TokenLabels", "figure_to_array", "head_grid", "heatmap", "label_tokens", "markdown_table"]
 
 TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | None
 
@@ -208,6 +209,111 @@ def figure_to_array(figure: Figure) -> np.ndarray:
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+class FigureCache:
+    """Renders heatmaps to RGB arrays, reusing each tag's figure while its labels and titles stay the same.
+
+    The first render of a tag draws the whole figure and keeps the pixels of everything but the colour cells and the
+    colour bar (tick labels and titles are most of matplotlib's drawing time). Later renders with the same layout only
+    set the new data and colour scale and redraw those parts on top: the pixels equal a fresh render's.
+
+    Args:
+        max_bytes: the most memory the kept figures may take (two RGBA buffers each); tags beyond it are drawn from
+            scratch every time.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._entries: dict[str, tuple[tuple, Figure, FigureCanvasAgg, list, Any, Any]] = {}
+        self._bytes: dict[str, int] = {}
+
+    def heatmap(
+        self,
+        tag: str,
+        matrix: np.ndarray,
+        row_labels: Sequence[str],
+        col_labels: Sequence[str],
+        title: str,
+        colorbar_label: str,
+        diverging: bool = False,
+    ) -> np.ndarray:
+        """:func:`heatmap` of ``matrix`` as an ``(H, W, 3)`` uint8 array."""
+        layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), title, colorbar_label, diverging)
+        limit = _abs_max(matrix)
+        return self._render(
+            tag,
+            layout,
+            [matrix],
+            limit,
+            diverging,
+            lambda: heatmap(matrix, row_labels, col_labels, title, colorbar_label, diverging, vmax=limit),
+        )
+
+    def head_grid(
+        self,
+        tag: str,
+        matrices: np.ndarray,
+        row_labels: Sequence[str],
+        col_labels: Sequence[str],
+        title: str,
+        colorbar_label: str,
+        titles: Sequence[str] | None = None,
+        diverging: bool = False,
+    ) -> np.ndarray:
+        """:func:`head_grid` of ``matrices`` as an ``(H, W, 3)`` uint8 array."""
+        layout = (
+            "grid",
+            matrices.shape,
+            tuple(row_labels),
+            tuple(col_labels),
+            title,
+            colorbar_label,
+            tuple(titles or ()),
+            diverging,
+        )
+        return self._render(
+            tag,
+            layout,
+            list(matrices),
+            _abs_max(matrices),
+            diverging,
+            lambda: head_grid(matrices, row_labels, col_labels, title, colorbar_label, titles, diverging),
+        )
+
+    def _render(
+        self, tag: str, layout: tuple, panels: list[np.ndarray], limit: float, diverging: bool, build: Callable
+    ) -> np.ndarray:
+        entry = self._entries.get(tag)
+        if entry is None or entry[0] != layout:
+            figure = build()
+            images = [image for ax in figure.axes for image in ax.get_images()]
+            colorbar_axes = figure.axes[-1]
+            images = [image for image in images if image.axes is not colorbar_axes]
+            spines = [spine for image in images for spine in image.axes.spines.values()]
+            for artist in [*images, *spines, colorbar_axes]:
+                artist.set_animated(True)  # left out of the full draw: the kept background has no data in it
+            canvas = FigureCanvasAgg(figure)
+            canvas.draw()
+            entry = (layout, figure, canvas, images, colorbar_axes, canvas.copy_from_bbox(figure.bbox))
+            self._entries.pop(tag, None)
+            self._bytes.pop(tag, None)
+            cost = 2 * 4 * int(figure.bbox.width) * int(figure.bbox.height)  # canvas and background, RGBA
+            if sum(self._bytes.values()) + cost <= self.max_bytes:
+                self._entries[tag], self._bytes[tag] = entry, cost
+        else:
+            _, figure, canvas, images, colorbar_axes, background = entry
+            for image, matrix in zip(images, panels, strict=True):
+                image.set_data(matrix)
+                image.set_clim(-limit if diverging else 0.0, limit)
+            canvas.restore_region(background)
+        _, figure, canvas, images, colorbar_axes, _ = entry
+        for image in images:
+            figure.draw_artist(image)
+            for spine in image.axes.spines.values():  # the frame goes over the cells, as in a full draw
+                figure.draw_artist(spine)
+        figure.draw_artist(colorbar_axes)
+        return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

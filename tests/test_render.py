@@ -32,3 +32,35 @@ def test_head_grid_and_diverging_map_render():
 def test_markdown_table_escapes_pipes():
     table = render.markdown_table(["a", "b"], [("x|y", 0.12345)])
     assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 0.123 |"]
+
+
+def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_memory_cap():
+    rng = np.random.default_rng(0)
+    labels = [f"t{i}" for i in range(12)]
+    cache = render.FigureCache()
+    first, second = rng.random((12, 12)), 3 * rng.random((12, 12))
+    assert np.array_equal(
+        cache.heatmap("m", first, labels, labels, "T", "P"),
+        render.figure_to_array(render.heatmap(first, labels, labels, "T", "P")),
+    )
+    again = cache.heatmap("m", second, labels, labels, "T", "P")  # reused figure, new data and colour scale
+    assert np.array_equal(again, render.figure_to_array(render.heatmap(second, labels, labels, "T", "P")))
+    diverging = rng.standard_normal((12, 12))
+    diverging[0, 0] = np.nan
+    cache.heatmap("d", -diverging, labels, labels, "T", "P", diverging=True)
+    assert np.array_equal(
+        cache.heatmap("d", diverging, labels, labels, "T", "P", diverging=True),
+        render.figure_to_array(render.heatmap(diverging, labels, labels, "T", "P", diverging=True)),
+    )
+    heads = rng.random((3, 12, 12))
+    cache.head_grid("g", heads[::-1], labels, labels, "G", "P")
+    assert np.array_equal(
+        cache.head_grid("g", heads, labels, labels, "G", "P"),
+        render.figure_to_array(render.head_grid(heads, labels, labels, "G", "P")),
+    )
+    # new labels: a new figure for the tag
+    other = cache.heatmap("m", first, labels[::-1], labels, "T", "P")
+    assert np.array_equal(other, render.figure_to_array(render.heatmap(first, labels[::-1], labels, "T", "P")))
+    assert len(cache._entries) == 3
+    tiny = render.FigureCache(max_bytes=0)  # nothing kept, still drawn right
+    assert np.array_equal(tiny.heatmap("m", second, labels, labels, "T", "P"), again) and not tiny._entries
