@@ -254,6 +254,7 @@ class AttentionMonitor(Callback):
         self._probe_capturing = False  # the current batch is the probe: copy its weights
         self._probe_only = False  # running probe_forward: copy weights, do not accumulate
         self._figures = render.FigureCache()  # each image tag's figure, redrawn with new data every epoch
+        self._plogp: dict[str, Tensor] = {}  # this epoch's row_plogp(P) per module, for its drift snapshot
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.
@@ -400,7 +401,8 @@ class AttentionMonitor(Callback):
                         metric = AttentionAccumulator(*sizes, mean_of_heads=not self.per_head)
                         self._metrics[(name, idx)] = metric
                     metric.to(device)
-                    metric.reset()
+                    if metric.update_count:  # left over from an interrupted epoch; else already zero
+                        metric.reset()
         for key in [key for key in self._metrics if key[1] >= loaders]:  # fewer loaders than last time
             del self._metrics[key]
         self._probe_weights.clear()
@@ -494,8 +496,9 @@ class AttentionMonitor(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """What drift and the probe need to carry on after a resume: previous and reference ``P`` (per head) with
-        their query counts, their epochs, the frozen probe ids and tracked ids. Tensors only, so checkpoints load with
-        ``weights_only=True``; size ``Σ_modules 2 · (H · Vq · Vk + Vq) · 4`` bytes, plus the probe ids."""
+        their query counts and row entropies, their epochs, the frozen probe ids and tracked ids. Tensors only, so
+        checkpoints load with ``weights_only=True``; size ``Σ_modules 2 · (4 H Vq Vk + 4 H Vq + 8 Vq)`` bytes,
+        plus the probe ids."""
         return {
             "version": _STATE_VERSION,
             "previous_epoch": self._previous_epoch,
@@ -718,9 +721,15 @@ class AttentionMonitor(Callback):
     def _remember(self, all_stats: dict[str, AttentionStats], epoch: int) -> None:
         """Keep this epoch's ``P`` as the previous one, and as the reference when it is the reference epoch."""
         snapshot = {
-            name: {"attention_mass": stats.attention_mass.detach().cpu(), "query_count": stats.query_count.cpu()}
+            # Copies: the sums are views of the state, which is zeroed in place for the next epoch.
+            name: {
+                "attention_mass": stats.attention_mass.detach().to("cpu", copy=True),
+                "query_count": stats.query_count.to("cpu", copy=True),
+                "row_plogp": self._plogp[name] if name in self._plogp else F.row_plogp(stats.attention_mass).cpu(),
+            }
             for name, stats in all_stats.items()
         }
+        self._plogp.clear()
         self._previous, self._previous_epoch = snapshot, epoch
         wanted = self.drift_reference_epoch
         if self._reference_epoch is None and (wanted is None or wanted == epoch):
@@ -797,7 +806,8 @@ class AttentionMonitor(Callback):
                 for h, value in enumerate(head_values):
                     scalars[f"{prefix}_{tag}/{layer}/head_{h}{suffix}"] = value
 
-        add("entropy", F.row_entropy(mass, query_count), F.row_entropy(mass_heads, query_count))
+        plogp_heads = F.row_plogp(mass_heads)  # (H, Vq): shared by the entropy and every drift comparison
+        add("entropy", F.row_entropy(mass, query_count), F.row_entropy(mass_heads, query_count, plogp_heads))
         if square:
             add("asymmetry", F.asymmetry_index(mass), F.asymmetry_index(mass_heads))
         add("lift", F.mean_lift(sum_mean, stats.uniform_sum), F.mean_lift(stats.attention_sum, stats.uniform_sum))
@@ -810,14 +820,24 @@ class AttentionMonitor(Callback):
                 sinks = [self._tracked[key_stream].tolist().index(i) for i in sinks]
             sink_heads = F.sink_mass(stats.attention_sum, query_count, torch.tensor(sinks, device=mass.device))
             add("position/sink_mass", sink_heads.mean(), sink_heads)
+        if not suffix:  # the combined view is the one _remember keeps
+            self._plogp[name] = plogp_heads.cpu()
+        drifts: dict[int, tuple[Tensor, ...]] = {}
         for which, memory in (("prev", previous), ("ref", reference)):
             if memory is None:
                 continue
-            old_heads = memory["attention_mass"].to(mass.device)
-            old_count = memory["query_count"].to(mass.device)
-            args = (query_count, old_count, self.min_support)
-            js, frobenius = F.attention_drift(mass, old_heads.mean(dim=0), *args)
-            js_heads, frobenius_heads = F.attention_drift(mass_heads, old_heads, *args)
+            if id(memory) not in drifts:  # the previous epoch is often the reference too: compare once
+                old_heads = memory["attention_mass"].to(mass.device)
+                old_count = memory["query_count"].to(mass.device)
+                if "row_plogp" not in memory:  # a snapshot from an older checkpoint: computed once, then kept
+                    memory["row_plogp"] = F.row_plogp(memory["attention_mass"])
+                old_plogp = memory["row_plogp"].to(mass.device)
+                args = (query_count, old_count, self.min_support)
+                drifts[id(memory)] = (
+                    *F.attention_drift(mass, old_heads.mean(dim=0), *args),
+                    *F.attention_drift(mass_heads, old_heads, *args, plogp_heads, old_plogp),
+                )
+            js, frobenius, js_heads, frobenius_heads = drifts[id(memory)]
             add(f"drift/js_{which}", js, js_heads)
             add(f"drift/frobenius_{which}", frobenius, frobenius_heads)
         for tag, value in scalars.items():

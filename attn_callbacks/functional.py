@@ -37,6 +37,7 @@ __all__ = [
     "pairwise_asymmetry",
     "position_statistics",
     "row_entropy",
+    "row_plogp",
     "safe_divide",
     "sink_mass",
     "top_pairs",
@@ -316,9 +317,10 @@ def _row_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
     w_log_w = _x_log_x(w)
     safe = torch.where(mass > 0, mass, 1)
     result = (w_log_w / safe - safe.log()).clamp_(max=0)  # rounding must not make an entropy negative
-    small = ((mass > 0) & (mass < _ONE_PASS_MIN_MASS)).nonzero(as_tuple=True)
-    if small[0].numel():
-        result[small] = _row_plogp(w[small], mass[small], exact=True)
+    small = ((mass > 0) & (mass < _ONE_PASS_MIN_MASS)).reshape(-1).nonzero()[:, 0]
+    if small.numel():
+        flat = result.reshape(-1)  # a view: 0-dim and n-dim results alike
+        flat[small] = _row_plogp(w.reshape(-1, w.shape[-1])[small], mass.reshape(-1)[small], exact=True)
     return result
 
 
@@ -430,7 +432,25 @@ def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int =
     return [(i // size, i % size, a) for i, a in chosen]
 
 
-def row_entropy(matrix: Tensor, query_count: Tensor) -> Tensor:
+def row_plogp(matrix: Tensor) -> Tensor:
+    """``Σ_b p[a, b] log p[a, b]`` of every row renormalised to sum to 1 (``-`` the row's entropy), 0 for a zero row.
+
+    Args:
+        matrix: ``(..., Vq, Vk)`` non-negative.
+
+    Returns:
+        ``(..., Vq)``. Pass it to :func:`row_entropy`, :func:`js_divergence` or :func:`attention_drift` to reuse it.
+    """
+    return _x_log_x(_normalize_rows(matrix))
+
+
+def _normalize_rows(matrix: Tensor) -> Tensor:
+    """Rows scaled to sum to 1 (zero rows stay zero). The same rows always give the same bits, so an epoch compared
+    with itself has drift exactly 0."""
+    return safe_divide(matrix, matrix.sum(dim=-1, keepdim=True))
+
+
+def row_entropy(matrix: Tensor, query_count: Tensor, plogp: Tensor | None = None) -> Tensor:
     """Mean row entropy in nats over the key vocabulary, weighted by query count.
 
     Each row ``P[a, :]`` is first renormalised to sum to 1, then ``H[a] = -Σ_b p[a, b] log p[a, b]``; the result is
@@ -439,11 +459,12 @@ def row_entropy(matrix: Tensor, query_count: Tensor) -> Tensor:
     Args:
         matrix: ``(..., Vq, Vk)`` attention mass or sums.
         query_count: ``(Vq,)`` query counts.
+        plogp: :func:`row_plogp` of ``matrix`` when the caller has it already.
 
     Returns:
         ``(...)`` tensor.
     """
-    entropy = -_row_plogp(matrix, matrix.sum(dim=-1), exact=matrix.is_cuda)  # (..., Vq)
+    entropy = -(row_plogp(matrix) if plogp is None else plogp)  # (..., Vq)
     weights = query_count.to(entropy.dtype)
     return safe_divide((entropy * weights).sum(dim=-1), weights.sum())
 
@@ -529,7 +550,7 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
     return torch.exp2(exponent)
 
 
-def js_divergence(p: Tensor, q: Tensor) -> Tensor:
+def js_divergence(p: Tensor, q: Tensor, p_plogp: Tensor | None = None, q_plogp: Tensor | None = None) -> Tensor:
     """Jensen–Shannon divergence in nats between the rows of ``p`` and ``q``, each row renormalised to sum to 1.
 
     ``JS(p, q) = ½ KL(p ‖ m) + ½ KL(q ‖ m)`` with ``m = (p + q) / 2``; in ``[0, log 2]``. A row that is all zero is
@@ -538,6 +559,8 @@ def js_divergence(p: Tensor, q: Tensor) -> Tensor:
     Args:
         p: ``(..., V)`` non-negative.
         q: ``(..., V)`` non-negative, same shape.
+        p_plogp: :func:`row_plogp` of ``p`` when the caller has it (it is shared by every comparison of ``p``).
+        q_plogp: :func:`row_plogp` of ``q`` likewise.
 
     Returns:
         ``(...)``.
@@ -546,11 +569,13 @@ def js_divergence(p: Tensor, q: Tensor) -> Tensor:
         >>> float(js_divergence(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])))  # disjoint: log 2
         0.6931471824645996
     """
-    p_mass, q_mass = p.sum(dim=-1, keepdim=True), q.sum(dim=-1, keepdim=True)
-    p, q = safe_divide(p, p_mass), safe_divide(q, q_mass)
+    p, q = _normalize_rows(p), _normalize_rows(q)
+    p_plogp = _x_log_x(p) if p_plogp is None else p_plogp
+    q_plogp = _x_log_x(q) if q_plogp is None else q_plogp
     # ½ KL(p‖m) + ½ KL(q‖m) = ½ (Σ p log p + Σ q log q) - Σ m log m, as Σ p log m + Σ q log m = 2 Σ m log m.
-    js = (_x_log_x(p) + _x_log_x(q)) / 2 - _x_log_x((p + q) / 2)
-    both = (p_mass[..., 0] > 0) & (q_mass[..., 0] > 0)
+    js = (p_plogp + q_plogp) / 2 - _x_log_x((p + q).mul_(0.5))
+    p_mass, q_mass = p.sum(dim=-1), q.sum(dim=-1)
+    both = (p_mass > 0) & (q_mass > 0)
     return torch.where(both, js, 0.0).clamp(min=0)
 
 
@@ -559,7 +584,13 @@ def _supported_rows(current_count: Tensor, reference_count: Tensor, min_support:
 
 
 def attention_drift(
-    current: Tensor, reference: Tensor, current_count: Tensor, reference_count: Tensor, min_support: int = 1
+    current: Tensor,
+    reference: Tensor,
+    current_count: Tensor,
+    reference_count: Tensor,
+    min_support: int = 1,
+    current_plogp: Tensor | None = None,
+    reference_plogp: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Drift of the attention mass between two epochs: weighted row Jensen–Shannon and relative Frobenius change.
 
@@ -573,6 +604,8 @@ def attention_drift(
         current_count: ``Q_t``, ``(Vq,)``.
         reference_count: ``Q_s``, ``(Vq,)``.
         min_support: the minimum query count, in both epochs, for a row to count.
+        current_plogp: :func:`row_plogp` of ``current`` when the caller has it, ``(..., Vq)``.
+        reference_plogp: :func:`row_plogp` of ``reference`` likewise.
 
     Returns:
         ``(js, frobenius)``, each ``(...)``.
@@ -580,7 +613,12 @@ def attention_drift(
     supported = _supported_rows(current_count, reference_count, min_support)
     rows = supported.nonzero()[:, 0]  # JS only where it has weight: often a small share of the vocabulary
     weights = current_count[rows].to(current.dtype)
-    js_rows = js_divergence(current[..., rows, :], reference[..., rows, :].to(current.dtype))
+    js_rows = js_divergence(
+        current[..., rows, :],
+        reference[..., rows, :].to(current.dtype),
+        None if current_plogp is None else current_plogp[..., rows],
+        None if reference_plogp is None else reference_plogp[..., rows].to(current.dtype),
+    )
     js = safe_divide((js_rows * weights).sum(dim=-1), weights.sum())
     frobenius = safe_divide(
         torch.linalg.matrix_norm(current - reference), torch.linalg.matrix_norm(reference.to(current.dtype))

@@ -209,11 +209,15 @@ class AttentionAccumulator(Metric):
         )
 
     def reset(self) -> None:
-        """Zero the sums; the fresh states are normal tensors even when called inside inference mode. The old state
-        is released before the new one is allocated, so a reset never holds two."""
+        """Zero the sums in place (no new allocation, no fresh pages to fault in: the state of a large vocabulary is
+        hundreds of MB); tensors from :meth:`stats` are zeroed with it. States replaced by an inference tensor or a
+        new shape are allocated anew, as normal tensors even when called inside inference mode."""
         with torch.inference_mode(False):
-            current = {name: (getattr(self, name).device, getattr(self, name).dtype) for name in self._shapes}
-            super().reset()
+            current = {name: getattr(self, name) for name in self._shapes}
+            super().reset()  # torchmetrics' counters and caches; the states become the empty defaults
             for name, (shape, _) in self._shapes.items():
-                device, dtype = current[name]
-                setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
+                tensor = current[name]
+                if tuple(tensor.shape) == shape and not tensor.is_inference():
+                    setattr(self, name, tensor.zero_())
+                else:
+                    setattr(self, name, torch.zeros(shape, dtype=tensor.dtype, device=tensor.device))

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention
 from attn_callbacks.functional import accumulate_attention_reference, attention_mass
+from attn_callbacks.metrics import _SUMS, stats_from_sums
 from attn_callbacks.tokens import most_frequent_ids
 
 VOCAB, PAD, LENGTH = 12, 0, 6
@@ -137,7 +138,8 @@ class Recorder(AttentionMonitor):
 
     def _log_module(self, pl_module, name, stats, writer, step, drift):
         self.last = getattr(self, "last", {})
-        self.last[name] = stats
+        # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
+        self.last[name] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))
         super()._log_module(pl_module, name, stats, writer, step, drift)
 
 
@@ -661,7 +663,7 @@ def test_callback_empty_validation_set_and_all_padding_epoch_log_nothing(tmp_pat
 class LoaderRecorder(AttentionMonitor):
     def _log_module(self, pl_module, name, stats, writer, step, drift, suffix=""):
         self.views = getattr(self, "views", {})
-        self.views[(name, suffix)] = stats
+        self.views[(name, suffix)] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))  # a copy
         super()._log_module(pl_module, name, stats, writer, step, drift, suffix)
 
 

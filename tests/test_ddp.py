@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, load_epoch
+from attn_callbacks.metrics import _SUMS, stats_from_sums
 
 VOCAB, PAD, MUTE, LENGTH, DIM = 10, 0, 1, 6, 8  # MUTE: never a key for the model's `mix` attention
 EPOCHS, WORLD, VAL_BATCH, TRAIN_BATCH = 2, 2, 2, 2  # TRAIN_BATCH per rank; the single process takes WORLD times more
@@ -106,7 +107,8 @@ class Checked(AttentionMonitor):
         self.out, self.reference = str(out), None if reference is None else str(reference)
 
     def _log_module(self, pl_module, name, stats, *args, **kwargs):
-        self.seen[name] = stats
+        # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
+        self.seen[name] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))
         super()._log_module(pl_module, name, stats, *args, **kwargs)
 
     def on_validation_epoch_start(self, trainer, pl_module):
