@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -39,6 +41,13 @@ def token_ids(batches: int, distribution: str = "zipf", vocab: int = VOCAB, seed
         weights = torch.ones(vocab, dtype=torch.float64)
     ids = torch.multinomial(weights, batches * BATCH * LENGTH, replacement=True, generator=g)
     return [{"input_ids": chunk.view(BATCH, LENGTH)} for chunk in ids.split(BATCH * LENGTH)]
+
+
+def quiet() -> None:
+    """Keep Lightning's start-up banners and our one-time info lines out of the benchmark tables."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("attn_callbacks").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
 
 
 def validate(model: LightningModule, batches: list[dict], callbacks: list) -> float:

@@ -27,7 +27,7 @@ import time
 import torch
 from lightning.pytorch import Callback
 
-from _workload import BATCH, HEADS, LAYERS, LENGTH, VOCAB, Encoder, summary, token_ids, validate
+from _workload import BATCH, HEADS, LAYERS, LENGTH, VOCAB, Encoder, quiet, summary, token_ids, validate
 from attn_callbacks import AttentionMonitor
 from attn_callbacks.capture import AttentionCapture, find_attention_modules
 
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration")
     args = parser.parse_args()
+    quiet()
     torch.manual_seed(0)
     model = Encoder().eval()
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
