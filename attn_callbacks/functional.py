@@ -327,6 +327,12 @@ def _row_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
 def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
     """``numerator / denominator`` with 0 wherever the denominator is 0 (broadcasting as usual)."""
     denominator = denominator.to(numerator.dtype) if numerator.is_floating_point() else denominator.double()
+    if 0 < denominator.numel() < numerator.numel():
+        # A broadcast denominator (row counts, say): zero-safe reciprocals of the few, then one multiplication pass
+        # over the many, unless a reciprocal overflows (a subnormal denominator).
+        reciprocal = torch.where(denominator == 0, 0.0, 1 / denominator)
+        if bool(torch.isfinite(reciprocal).all()):
+            return numerator * reciprocal
     # x / 0 is inf or NaN here, and torch.where replaces it: no temporary ones/zeros of the full size.
     return torch.where(denominator == 0, 0.0, numerator / denominator)
 
@@ -611,7 +617,8 @@ def attention_drift(
         ``(js, frobenius)``, each ``(...)``.
     """
     supported = _supported_rows(current_count, reference_count, min_support)
-    rows = supported.nonzero()[:, 0]  # JS only where it has weight: often a small share of the vocabulary
+    # JS only where it has weight: often a small share of the vocabulary. Every row: no gathered copies.
+    rows = slice(None) if bool(supported.all()) else supported.nonzero()[:, 0]
     weights = current_count[rows].to(current.dtype)
     js_rows = js_divergence(
         current[..., rows, :],
