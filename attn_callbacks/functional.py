@@ -310,10 +310,8 @@ def _row_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
     up to rounding when the row mass ``s`` is not small; the rare rows where ignored keys hold most of the mass are
     redone the exact way, so subnormal masses lose no precision.
     """
-    tiny = torch.finfo(w.dtype).tiny
-    if exact:
-        p = w / torch.where(mass > 0, mass, 1)[..., None]
-        return p.clamp(min=tiny).log_().mul_(p).sum(dim=-1)
+    if exact:  # no safe_divide: its overflow check would sync with the device on every batch
+        return _x_log_x(w / torch.where(mass > 0, mass, 1)[..., None])
     w_log_w = _x_log_x(w)
     safe = torch.where(mass > 0, mass, 1)
     result = (w_log_w / safe - safe.log()).clamp_(max=0)  # rounding must not make an entropy negative
@@ -325,7 +323,10 @@ def _row_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
 
 
 def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
-    """``numerator / denominator`` with 0 wherever the denominator is 0 (broadcasting as usual)."""
+    """``numerator / denominator`` with 0 wherever the denominator is 0 (broadcasting as usual).
+
+    A denominator smaller than the numerator (broadcast) costs one host sync, to check its reciprocals are finite:
+    for epoch-end statistics, not for per-batch updates."""
     denominator = denominator.to(numerator.dtype) if numerator.is_floating_point() else denominator.double()
     if 0 < denominator.numel() < numerator.numel():
         # A broadcast denominator (row counts, say): zero-safe reciprocals of the few, then one multiplication pass
@@ -547,13 +548,11 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
     # Σ S log(S / U) = Σ S log S - Σ S log U: where S > 0, U > 0 too (attention only lands on visible keys), and
     # cells with S = 0 add 0 to both. log U is shared by every head: one matrix-vector product per head.
     tiny = torch.finfo(attention_sum.dtype).tiny
-    log_uniform = uniform_sum.to(attention_sum.dtype).clamp(min=tiny).log2().reshape(-1)  # (Vq * Vk,)
+    # log2 then * ln 2, as in _x_log_x: log2 is vectorised on CPU where log is not.
+    log_uniform = uniform_sum.to(attention_sum.dtype).clamp(min=tiny).log2().mul_(math.log(2.0)).reshape(-1)
     flat = attention_sum.reshape(-1, log_uniform.numel())  # (..., Vq * Vk) -> (prod(...), Vq * Vk)
-    s_log_s = _x_log_x(flat) / math.log(2.0)  # in bits, like log_uniform
-    s_log_u = flat @ log_uniform
-    total = flat.sum(dim=-1)
-    exponent = safe_divide(s_log_s - s_log_u, total).reshape(attention_sum.shape[:-2])
-    return torch.exp2(exponent)
+    exponent = safe_divide(_x_log_x(flat) - flat @ log_uniform, flat.sum(dim=-1))
+    return torch.exp(exponent.reshape(attention_sum.shape[:-2]))
 
 
 def js_divergence(p: Tensor, q: Tensor, p_plogp: Tensor | None = None, q_plogp: Tensor | None = None) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -125,16 +126,7 @@ class AttentionAccumulator(Metric):
         self.query_vocab_size = query_vocab_size
         self.key_vocab_size = key_vocab_size
         self.mean_of_heads = bool(mean_of_heads)
-        channels = 1 if mean_of_heads else num_heads
-        plane = query_vocab_size * key_vocab_size + 1  # the vocabulary plane plus the discard cell
-        self._shapes = {
-            "sums": ((channels + 1, plane), torch.float32),
-            "pair_count": ((plane,), torch.long),
-            "query_count": ((query_vocab_size + 1,), torch.long),
-            "skipped_rows": ((), torch.long),
-            # float32 like the other sums: float64 states would not move to MPS devices.
-            "position_sums": ((len(F.POSITION_STATS), num_heads), torch.float32),
-        }
+        self._shapes = self._state_shapes(num_heads, query_vocab_size, key_vocab_size, self.mean_of_heads)
         # Created as normal tensors (never inside inference mode) so they can be updated in place anywhere.
         with torch.inference_mode(False):
             for name, (shape, dtype) in self._shapes.items():
@@ -144,17 +136,26 @@ class AttentionAccumulator(Metric):
                 self._defaults[name] = torch.zeros(0, dtype=dtype)
 
     @staticmethod
+    def _state_shapes(
+        num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every state's shape and dtype: the one definition that allocation and :meth:`state_bytes` share."""
+        plane = query_vocab_size * key_vocab_size + 1  # the vocabulary plane plus the discard cell
+        return {
+            "sums": (((1 if mean_of_heads else num_heads) + 1, plane), torch.float32),
+            "pair_count": ((plane,), torch.long),
+            "query_count": ((query_vocab_size + 1,), torch.long),
+            "skipped_rows": ((), torch.long),
+            # float32 like the other sums: float64 states would not move to MPS devices.
+            "position_sums": ((len(F.POSITION_STATS), num_heads), torch.float32),
+        }
+
+    @staticmethod
     def state_bytes(num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool = False) -> int:
         """Bytes of state one accumulator holds: ``(H + 1) · (Vq · Vk + 1) · 4 + (Vq · Vk + 1) · 8 + (Vq + 1) · 8``
         plus a few scalars (float32 sums, int64 counts); ``H`` counts as 1 with ``mean_of_heads``."""
-        plane = query_vocab_size * key_vocab_size + 1
-        return (
-            ((1 if mean_of_heads else num_heads) + 1) * plane * 4
-            + plane * 8
-            + (query_vocab_size + 1) * 8
-            + 8
-            + len(F.POSITION_STATS) * num_heads * 4
-        )
+        shapes = AttentionAccumulator._state_shapes(num_heads, query_vocab_size, key_vocab_size, mean_of_heads)
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
 
     def update(
         self,
