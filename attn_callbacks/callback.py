@@ -17,8 +17,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from attn_callbacks import functional as F
-from attn_callbacks import render
-from attn_callbacks.capture import AttentionCapture, find_attention_modules
+from attn_callbacks import hf, render
+from attn_callbacks.capture import AttentionCapture, find_attention_modules, num_heads
 from attn_callbacks.export import save_epoch
 from attn_callbacks.metrics import AttentionAccumulator, AttentionStats, merge_stats
 from attn_callbacks.render import TokenLabels
@@ -234,7 +234,7 @@ class AttentionMonitor(Callback):
         self._pairs: dict[tuple[str, str], Tensor] = {}  # this batch's pair index per (query, key) stream
         self._budget_logged = False
 
-        self._attention: dict[str, nn.MultiheadAttention] = {}
+        self._attention: dict[str, nn.Module] = {}
         self._streams_of: dict[str, tuple[str, str]] = {}
         self._metrics: dict[tuple[str, int], AttentionAccumulator] = {}  # (module, dataloader_idx) -> sums
         self._capture: AttentionCapture | None = None
@@ -347,7 +347,7 @@ class AttentionMonitor(Callback):
                     f"AttentionMonitor: argument `sink_ids` has id(s) {bad} outside the vocabulary "
                     f"[0, {self._vocab[stream]}) of stream {stream!r}"
                 )
-        self._capture = AttentionCapture(self._attention, self._consume)
+        self._capture = AttentionCapture(self._attention, self._consume, output_index=hf.attention_outputs(pl_module))
         self._check_budget(loaders=1)  # fail before training starts; checked again with the real dataloader count
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -397,7 +397,7 @@ class AttentionMonitor(Callback):
                     metric = self._metrics.get((name, idx))
                     if metric is None:
                         query_stream, key_stream = self._streams_of[name]
-                        sizes = (module.num_heads, self._size(query_stream), self._size(key_stream))
+                        sizes = (num_heads(module), self._size(query_stream), self._size(key_stream))
                         metric = AttentionAccumulator(*sizes, mean_of_heads=not self.per_head)
                         self._metrics[(name, idx)] = metric
                     metric.to(device)
@@ -621,7 +621,7 @@ class AttentionMonitor(Callback):
         return {
             name: loaders
             * AttentionAccumulator.state_bytes(
-                module.num_heads, size(self._streams_of[name][0]), size(self._streams_of[name][1]), not self.per_head
+                num_heads(module), size(self._streams_of[name][0]), size(self._streams_of[name][1]), not self.per_head
             )
             for name, module in self._attention.items()
         }
@@ -687,7 +687,7 @@ class AttentionMonitor(Callback):
             self._batch = None
             self._batch_ids.clear()
 
-    def _consume(self, name: str, module: nn.MultiheadAttention, weights: Tensor) -> None:
+    def _consume(self, name: str, module: nn.Module, weights: Tensor) -> None:
         if self._batch is None:
             raise RuntimeError(
                 f"AttentionMonitor: attention module {name!r} ran outside a validation batch while hooked"
@@ -758,13 +758,10 @@ class AttentionMonitor(Callback):
         tracked = self._tracked.get(stream)
         if tracked is None:
             return render.label_tokens(list(ids), self._labels[stream], max_length=max_length)
-        originals = tracked.tolist()
-        return [
-            render.label_tokens([originals[c]], self._labels[stream], max_length=max_length)[0]
-            if c < len(originals)
-            else OTHER_LABEL
-            for c in ids
-        ]
+        ids, originals = list(ids), tracked.tolist()
+        known = [originals[c] for c in ids if c < len(originals)]  # one lookup for all (a tokenizer call, say)
+        labels = iter(render.label_tokens(known, self._labels[stream], max_length=max_length))
+        return [next(labels) if c < len(originals) else OTHER_LABEL for c in ids]
 
     def _token_label(self, ids: Sequence[int], stream: str) -> list[str]:
         """Labels of ids as they are in the batch."""

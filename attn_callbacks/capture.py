@@ -1,10 +1,13 @@
-"""Finding ``nn.MultiheadAttention`` modules and reading their per-head weights through hooks.
+"""Finding attention modules and reading their per-head weights through hooks.
 
 Stock ``nn.Transformer*`` layers call attention with ``need_weights=False``. A forward pre-hook rewrites the call to
 ``need_weights=True, average_attn_weights=False``; a forward hook hands the per-head weights ``(B, H, Lq, Lk)`` to a
 consumer and returns to the caller exactly what it asked for. While attached, the process-wide MHA fast path is
 switched off (the encoder-layer fast path and ``nn.TransformerEncoder``'s nested-tensor conversion bypass the hooks);
 detaching restores it and removes every hook, on every exit path.
+
+Hugging Face attention modules (see :mod:`attn_callbacks.hf`) return their weights by themselves when the model runs
+eager attention: a forward hook alone reads them, and everything downstream is the same.
 """
 
 from __future__ import annotations
@@ -20,15 +23,19 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["AttentionCapture", "capture_attention", "find_attention_modules"]
+from attn_callbacks import hf
 
-WeightsConsumer = Callable[[str, nn.MultiheadAttention, Tensor], None]
+__all__ = ["AttentionCapture", "capture_attention", "find_attention_modules", "num_heads"]
+
+WeightsConsumer = Callable[[str, nn.Module, Tensor], None]
 
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+_HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads")  # MHA, BERT / RoBERTa, DistilBERT
 
 
-def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = None) -> dict[str, nn.MultiheadAttention]:
-    """Every ``nn.MultiheadAttention`` in ``model`` by its ``named_modules()`` name, optionally filtered.
+def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = None) -> dict[str, nn.Module]:
+    """Every attention module in ``model`` by its ``named_modules()`` name, optionally filtered: each
+    ``nn.MultiheadAttention``, and each Hugging Face attention module (BERT family, ``attn_callbacks[hf]``).
 
     Args:
         model: the model to search.
@@ -36,8 +43,9 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
             pattern matches. ``None`` keeps all.
 
     Raises:
-        ValueError: no attention module found or kept, or a pattern matches only modules that are not
-            ``nn.MultiheadAttention``, or matches nothing at all. The message names the pattern.
+        ValueError: no attention module found or kept, or a pattern matches only modules that are not attention
+            modules, or matches nothing at all (the message names the pattern); or a kept Hugging Face module runs
+            SDPA / flash attention, which returns no weights (the message says what to set).
 
     Example:
         >>> layer = nn.TransformerEncoderLayer(8, 2)
@@ -45,21 +53,28 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
         ['layers.0.self_attn', 'layers.1.self_attn']
     """
     named = dict(model.named_modules())
-    found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention)}
+    hf_modules = hf.attention_outputs(model)
+    found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
     if not found:
-        raise ValueError(f"No torch.nn.MultiheadAttention found in the model ({type(model).__name__})")
-    if patterns is None:
-        return found
-    kept: dict[str, nn.MultiheadAttention] = {}
+        raise ValueError(
+            "No torch.nn.MultiheadAttention or Hugging Face attention module found in the model "
+            f"({type(model).__name__})"
+        )
+    if patterns is not None:
+        found = _filter(named, found, patterns)
+    for name, module in found.items():
+        if name in hf_modules:
+            hf.check_eager(name, module)
+    return found
+
+
+def _filter(named: dict[str, nn.Module], found: dict[str, nn.Module], patterns: Sequence[str]) -> dict[str, nn.Module]:
+    kept: dict[str, nn.Module] = {}
     for pattern in patterns:
         matched = [name for name in named if fnmatch.fnmatchcase(name, pattern)]
         attention = [name for name in matched if name in found]
         if not attention:
-            what = (
-                f"only modules that are not nn.MultiheadAttention ({', '.join(matched[:5])})"
-                if matched
-                else "no module"
-            )
+            what = f"only modules that are not attention modules ({', '.join(matched[:5])})" if matched else "no module"
             raise ValueError(
                 f"Pattern {pattern!r} in argument `modules` matched {what}; attention modules: {', '.join(found)}"
             )
@@ -67,29 +82,49 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     return {name: m for name, m in found.items() if name in kept}  # model order, not pattern order
 
 
+def num_heads(module: nn.Module) -> int:
+    """Number of heads of an attention module: ``nn.MultiheadAttention`` or a Hugging Face one (from the module or its
+    ``config``).
+
+    Raises:
+        ValueError: the module says nowhere how many heads it has.
+    """
+    for owner in (module, getattr(module, "config", None)):
+        for attribute in _HEAD_ATTRIBUTES:
+            value = getattr(owner, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise ValueError(f"Cannot tell the number of heads of attention module {type(module).__name__}")
+
+
 class AttentionCapture:
-    """Hooks that force per-head attention weights out of ``nn.MultiheadAttention`` modules.
+    """Hooks that force per-head attention weights out of attention modules.
 
     Use :meth:`attach` / :meth:`detach` (idempotent) or the object as a context manager. The model's outputs are not
-    changed: a caller that did not ask for weights gets ``(out, None)``; one that asked for averaged weights gets the
-    head average, as without the hooks.
+    changed: a caller of an ``nn.MultiheadAttention`` that did not ask for weights gets ``(out, None)``; one that
+    asked for averaged weights gets the head average, as without the hooks. Hugging Face attention modules are only
+    read.
 
     Args:
         modules: name -> module, as from :func:`find_attention_modules`.
         consumer: called as ``consumer(name, module, weights)`` with ``weights`` of shape ``(B, H, Lq, Lk)``
             (batch-major whatever ``batch_first`` says; ``(H, Lq, Lk)`` for an unbatched call).
         disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored on detach).
+        output_index: for modules that are not ``nn.MultiheadAttention``, the index of the weights in their output
+            tuple (:func:`attn_callbacks.hf.attention_outputs`); 1 where not given.
     """
 
     def __init__(
         self,
-        modules: Mapping[str, nn.MultiheadAttention],
+        modules: Mapping[str, nn.Module],
         consumer: WeightsConsumer,
         disable_fastpath: bool = True,
+        output_index: Mapping[str, int] | None = None,
     ) -> None:
         self.modules = dict(modules)
         self.consumer = consumer
         self.disable_fastpath = disable_fastpath
+        self.output_index = dict(output_index or {})
         self._handles: list[RemovableHandle] = []
         self._fastpath_before: bool | None = None
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
@@ -109,8 +144,11 @@ class AttentionCapture:
                 self._fastpath_before = torch.backends.mha.get_fastpath_enabled()
                 torch.backends.mha.set_fastpath_enabled(False)
             for name, module in self.modules.items():
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._hook(name, module), with_kwargs=True))
+                if isinstance(module, nn.MultiheadAttention):
+                    self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+                    self._handles.append(module.register_forward_hook(self._hook(name, module), with_kwargs=True))
+                else:
+                    self._handles.append(module.register_forward_hook(self._read_hook(name)))
         except BaseException:
             self.detach()
             raise
@@ -159,13 +197,25 @@ class AttentionCapture:
 
         return hook
 
+    def _read_hook(self, name: str) -> Callable[..., None]:
+        index = self.output_index.get(name, 1)
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            weights = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
+            if not isinstance(weights, Tensor):  # switched to SDPA after setup, say: fail loudly, not sum nothing
+                raise RuntimeError(hf.no_weights_message(name, module))
+            self.consumer(name, module, weights)
+
+        return hook
+
 
 @contextmanager
 def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) -> Iterator[dict[str, list[Tensor]]]:
     """Collect the per-head attention weights of every forward call, for use outside Lightning.
 
     Args:
-        model: any ``nn.Module`` containing ``nn.MultiheadAttention`` modules (stock transformer layers included).
+        model: any ``nn.Module`` containing ``nn.MultiheadAttention`` modules (stock transformer layers included) or
+            Hugging Face attention modules (eager attention).
         modules: optional fnmatch patterns over module names, as in :func:`find_attention_modules`.
 
     Yields:
@@ -181,8 +231,8 @@ def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) ->
     """
     collected: dict[str, list[Tensor]] = defaultdict(list)
 
-    def keep(name: str, module: nn.MultiheadAttention, weights: Tensor) -> None:
+    def keep(name: str, module: nn.Module, weights: Tensor) -> None:
         collected[name].append(weights.detach())
 
-    with AttentionCapture(find_attention_modules(model, modules), keep):
+    with AttentionCapture(find_attention_modules(model, modules), keep, output_index=hf.attention_outputs(model)):
         yield collected

@@ -4,26 +4,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-__all__ = ["FigureCache", "TokenLabels", "figure_to_array", "head_grid", "heatmap", "label_tokens", "markdown_table"]
+__all__ = [
+    "FigureCache",
+    "TokenLabels",
+    "Tokenizer",
+    "figure_to_array",
+    "head_grid",
+    "heatmap",
+    "label_tokens",
+    "markdown_table",
+]
 
-TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | None
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What labels need of a Hugging Face tokenizer: ``convert_ids_to_tokens`` (``None`` for an unknown id)."""
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]: ...
+
+
+TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | Tokenizer | None
 
 MAX_LABEL = 14
 
 
 def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length: int | None = MAX_LABEL) -> list[str]:
-    """Readable labels for token ids: from a list, dict or callable, else the id itself.
+    """Readable labels for token ids: from a list, dict, callable or Hugging Face tokenizer, else the id itself.
 
     Args:
         ids: token ids.
-        id_to_token: a list, dict or callable id -> str; ids are used where it has no entry (or when None).
+        id_to_token: a list, dict or callable id -> str, or a tokenizer (anything with ``convert_ids_to_tokens``, which
+            is called once for all ``ids``); ids are used where it has no entry (or when None).
         max_length: longer labels are trimmed to this many characters, ending in "…"; None keeps them whole.
 
     Example:
@@ -31,8 +49,12 @@ def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length
         ['<pad>', 'a-very-long-w…']
     """
     labels = []
-    for token in ids:
-        if id_to_token is None:
+    # A tokenizer is callable too (text -> ids): it must be recognised before the callable case.
+    tokens = id_to_token.convert_ids_to_tokens([int(i) for i in ids]) if isinstance(id_to_token, Tokenizer) else None
+    for position, token in enumerate(ids):
+        if tokens is not None:
+            text = str(token) if tokens[position] is None else str(tokens[position])
+        elif id_to_token is None:
             text = str(token)
         elif callable(id_to_token) and not isinstance(id_to_token, (Mapping, Sequence)):
             text = str(id_to_token(token))

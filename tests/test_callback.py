@@ -353,7 +353,10 @@ def test_callback_bad_arguments_raise_naming_the_argument(kwargs, match):
 
 
 def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
-    with pytest.raises(MisconfigurationException, match="No torch.nn.MultiheadAttention found in the model"):
+    with pytest.raises(
+        MisconfigurationException,
+        match="No torch.nn.MultiheadAttention or Hugging Face attention module found in the model",
+    ):
         run_validate(
             tmp_path, AttentionMonitor(VOCAB), [{"input_ids": torch.ones(1, 2, dtype=torch.long)}], BareModel()
         )
@@ -367,7 +370,7 @@ def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
     with pytest.raises(MisconfigurationException, match="Pattern 'decoder.\\*' in argument `modules` matched no "):
         run_validate(tmp_path, no_match, make_batches())
     not_attention = AttentionMonitor(VOCAB, "input_ids", modules=["head"])
-    with pytest.raises(MisconfigurationException, match="Pattern 'head'.*only modules that are not nn.Multihead"):
+    with pytest.raises(MisconfigurationException, match="Pattern 'head'.*only modules that are not attention modules"):
         run_validate(tmp_path, not_attention, make_batches())
 
 

@@ -120,10 +120,13 @@ def test_capture_attention_context_manager_collects_every_call():
 
 
 def test_find_attention_modules_errors_name_the_pattern_and_model():
-    with pytest.raises(ValueError, match="No torch.nn.MultiheadAttention found in the model \\(Linear\\)"):
+    with pytest.raises(
+        ValueError,
+        match="No torch.nn.MultiheadAttention or Hugging Face attention module found in the model \\(Linear\\)",
+    ):
         find_attention_modules(nn.Linear(2, 2))
     model = encoder()
-    with pytest.raises(ValueError, match="'layers.0.linear1'.*not nn.MultiheadAttention"):
+    with pytest.raises(ValueError, match="'layers.0.linear1'.*not attention modules"):
         find_attention_modules(model, ["layers.0.linear1"])
     with pytest.raises(ValueError, match="'nothing.*'.*matched no module"):
         find_attention_modules(model, ["nothing.*"])

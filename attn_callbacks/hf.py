@@ -1,0 +1,90 @@
+"""Hugging Face ``transformers`` attention modules: finding them and reading their weights (the ``[hf]`` extra).
+
+A model of the BERT family (``BertModel``, ``RobertaModel``, ``DistilBertModel``, ``ElectraModel``, ...) declares in
+``_can_record_outputs`` which module classes produce its ``attentions`` (and ``cross_attentions``) and at which index
+of their output tuple. With ``attn_implementation="eager"`` those modules return the softmaxed weights
+``(B, H, Lq, Lk)`` on every call, whether or not ``output_attentions`` was asked for, so a plain forward hook reads
+them without changing the call. SDPA, flash and flex attention return ``None`` there: nothing to read.
+
+Nothing here imports ``transformers``: a model can only hold its modules if the user has imported it already.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+__all__ = ["attention_outputs", "check_eager", "no_weights_message"]
+
+_ATTENTION_KEYS = ("attentions", "cross_attentions")
+
+
+def attention_outputs(model: nn.Module) -> dict[str, int]:
+    """Every Hugging Face attention module in ``model`` by its ``named_modules()`` name -> the index of the
+    attention weights in that module's output tuple. Empty when ``transformers`` is not imported.
+
+    A model nested in another (an encoder inside an encoder-decoder) uses its own ``_can_record_outputs``.
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return {}
+    found: dict[str, int] = {}
+    for root_name, root in model.named_modules():
+        if not isinstance(root, transformers.PreTrainedModel):
+            continue
+        recordable = getattr(type(root), "_can_record_outputs", None) or {}
+        specs = [_spec(spec) for key in _ATTENTION_KEYS for spec in _as_list(recordable.get(key))]
+        for name, module in root.named_modules(prefix=root_name):
+            for target_class, class_name, layer_name, index in specs:
+                matches = (target_class is not None and isinstance(module, target_class)) or (
+                    class_name is not None and name.endswith(class_name)
+                )
+                if matches and (layer_name is None or f".{layer_name.strip('.')}." in f".{name}."):
+                    found[name] = index  # outer models come first: an inner model's own spec wins
+    return found
+
+
+def check_eager(name: str, module: nn.Module) -> None:
+    """Raise when ``module`` will not return attention weights because the model runs SDPA / flash / flex attention.
+
+    Raises:
+        ValueError: naming the module, the implementation and what to set instead.
+    """
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if implementation not in (None, "eager"):
+        raise ValueError(no_weights_message(name, module, implementation))
+
+
+def no_weights_message(name: str, module: nn.Module, implementation: Any = None) -> str:
+    """Why a Hugging Face attention module gives no weights, and what to set."""
+    if implementation is None:
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return (
+        f"Hugging Face attention module {name!r} ({type(module).__name__}) runs attn_implementation="
+        f"{implementation!r}, which returns no attention weights. Load the model with "
+        '`from_pretrained(..., attn_implementation="eager")` (or a config with attn_implementation="eager"), '
+        'or call `model.set_attn_implementation("eager")` before training'
+    )
+
+
+def _as_list(spec: Any) -> list[Any]:
+    if spec is None:
+        return []
+    return list(spec) if isinstance(spec, (list, tuple)) else [spec]
+
+
+def _spec(spec: Any) -> tuple[type | None, str | None, str | None, int]:
+    """(target class, class-name suffix, layer name, output index) of one ``_can_record_outputs`` entry: a class, a
+    class-name string, or an ``OutputRecorder``; attention weights sit at index 1 unless the recorder says otherwise."""
+    if isinstance(spec, type):
+        return spec, None, None, 1
+    if isinstance(spec, str):
+        return None, spec, None, 1
+    return (
+        getattr(spec, "target_class", None),
+        getattr(spec, "class_name", None),
+        getattr(spec, "layer_name", None),
+        int(getattr(spec, "index", 1)),
+    )

@@ -1,0 +1,216 @@
+"""Hugging Face BERT-family models through the same capture, accumulators, scalars and images (offline, tiny random
+configs; the real MiniLM weights are exercised by examples/hf_minilm.py)."""
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
+from torch.utils.data import DataLoader
+
+from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules, load_epoch
+from attn_callbacks.capture import num_heads
+from attn_callbacks.render import label_tokens
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+VOCAB, PAD, CLS, SEP, LENGTH, HEADS, LAYERS = 40, 0, 1, 2, 7, 4, 2
+WORDS = ["[PAD]", "[CLS]", "[SEP]", "[UNK]"] + [f"w{i}" for i in range(4, VOCAB)]
+
+
+def tiny(kind="bert", attn_implementation="eager", **extra):
+    """A randomly initialised BERT-family model small enough for a unit test."""
+    if kind == "distilbert":
+        config = transformers.DistilBertConfig(
+            vocab_size=VOCAB, dim=16, n_layers=LAYERS, n_heads=HEADS, hidden_dim=32, pad_token_id=PAD
+        )
+        model_class = transformers.DistilBertModel
+    else:
+        config_class = transformers.RobertaConfig if kind == "roberta" else transformers.BertConfig
+        # RoBERTa counts positions from pad_token_id + 1: leave room for them.
+        config = config_class(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=32,
+            max_position_embeddings=LENGTH + 4,
+            pad_token_id=PAD,
+            **extra,
+        )
+        model_class = transformers.RobertaModel if kind == "roberta" else transformers.BertModel
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return model_class(config).eval()
+
+
+def make_batches(n=12, batch_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (n, LENGTH), generator=g)
+    ids[:, 0], ids[:, -1] = CLS, SEP
+    ids[::3, -3:] = PAD  # some padded sentences
+    return [
+        {"input_ids": ids[i : i + batch_size], "attention_mask": (ids[i : i + batch_size] != PAD).long()}
+        for i in range(0, n, batch_size)
+    ]
+
+
+class Wrapper(LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        self.log("val_norm", out.last_hidden_state.norm())
+
+
+def validate(tmp_path, monitor, model, batches=None):
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(Wrapper(model), DataLoader(batches or make_batches(), batch_size=None), verbose=False)
+    return trainer
+
+
+def hook_counts(model):
+    """Forward (pre-)hooks per module: transformers installs its own output-recording hooks, which must stay."""
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+
+
+def word_tokenizer():
+    """A real fast tokenizer built in memory (no files, no network): one id per word of WORDS."""
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]")
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
+
+
+@pytest.mark.parametrize(
+    ("kind", "names"),
+    [
+        ("bert", [f"encoder.layer.{i}.attention.self" for i in range(LAYERS)]),
+        ("roberta", [f"encoder.layer.{i}.attention.self" for i in range(LAYERS)]),
+        ("distilbert", [f"transformer.layer.{i}.attention" for i in range(LAYERS)]),
+    ],
+)
+def test_hf_attention_modules_of_the_bert_family_are_found_and_read_as_output_attentions_gives_them(kind, names):
+    model = tiny(kind)
+    found = find_attention_modules(model)
+    assert list(found) == names and all(num_heads(m) == HEADS for m in found.values())
+    batch = make_batches()[0]
+    with torch.no_grad():
+        expected = model(**batch, output_attentions=True)
+        hooks = hook_counts(model)
+        with capture_attention(model) as captured:
+            out = model(**batch)
+    assert torch.equal(out.last_hidden_state, expected.last_hidden_state)  # reading changes nothing
+    for name, attentions in zip(names, expected.attentions, strict=True):
+        assert len(captured[name]) == 1 and torch.equal(captured[name][0], attentions)
+        assert captured[name][0].shape == (4, HEADS, LENGTH, LENGTH)
+    assert hook_counts(model) == hooks
+
+
+def test_hf_cross_attention_modules_are_found_with_their_own_shapes():
+    model = tiny(is_decoder=True, add_cross_attention=True)
+    found = find_attention_modules(model)
+    cross = [f"encoder.layer.{i}.crossattention.self" for i in range(LAYERS)]
+    assert set(cross) <= set(found)
+    batch = make_batches()[0]
+    memory = torch.randn(4, 3, 16)
+    with torch.no_grad(), capture_attention(model, ["*crossattention*"]) as captured:
+        model(**batch, encoder_hidden_states=memory)
+    assert list(captured) == cross and captured[cross[0]][0].shape == (4, HEADS, LENGTH, 3)
+
+
+def test_hf_monitor_sums_equal_a_float64_loop_over_output_attentions(tmp_path):
+    seed_everything(0)
+    model = tiny()
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], sink_ids=[CLS, SEP], export="pt")
+    validate(tmp_path, monitor, model)
+    record = load_epoch(next((tmp_path / "tb").rglob("*.pt")))
+    S = torch.zeros(LAYERS, HEADS, VOCAB, VOCAB, dtype=torch.float64)
+    Q = torch.zeros(VOCAB, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in make_batches():
+            ids = batch["input_ids"]
+            attentions = model(**batch, output_attentions=True).attentions
+            for n in range(ids.shape[0]):
+                for i in range(LENGTH):
+                    if ids[n, i] == PAD:
+                        continue
+                    Q[ids[n, i]] += 1
+                    for j in range(LENGTH):
+                        if ids[n, j] != PAD:
+                            for layer in range(LAYERS):
+                                S[layer, :, ids[n, i], ids[n, j]] += attentions[layer][n, :, i, j].double()
+    for layer in range(LAYERS):
+        stats = record.modules[f"model.encoder.layer.{layer}.attention.self"]
+        torch.testing.assert_close(stats.attention_sum.double(), S[layer], rtol=1e-5, atol=1e-6)
+        assert torch.equal(stats.query_count.double(), Q)
+    # the padded keys carry no mass, so every seen query row sums to 1
+    P = record.modules["model.encoder.layer.0.attention.self"].attention_mass
+    seen = Q > 0
+    torch.testing.assert_close(P.sum(-1)[:, seen], torch.ones(HEADS, int(seen.sum())))
+
+
+def test_hf_monitor_logs_scalars_images_and_tokenizer_labels(tmp_path):
+    seed_everything(0)
+    tokenizer = word_tokenizer()
+    monitor = AttentionMonitor(
+        VOCAB, "input_ids", id_to_token=tokenizer, ignore_ids=[tokenizer.pad_token_id], sink_ids=[CLS, SEP], top_k=6
+    )
+    trainer = validate(tmp_path, monitor, tiny("distilbert"))
+    layer = "model.transformer.layer.1.attention"
+    events = EventAccumulator(trainer.logger.log_dir, size_guidance={IMAGES: 0, SCALARS: 0, TENSORS: 0})
+    events.Reload()
+    assert f"attention_mass/{layer}" in events.Tags()["images"]
+    assert f"attention_mass_heads/{layer}" in events.Tags()["images"]
+    sink = events.Scalars(f"attention_position/sink_mass/{layer}")
+    assert len(sink) == 1 and 0 < sink[0].value < 1
+    assert len(events.Scalars(f"attention_position/sink_mass/{layer}/head_{HEADS - 1}")) == 1
+    hubs = events.Tensors(f"attention_hubs/{layer}/text_summary")[0].tensor_proto.string_val[0].decode()
+    tokens = [row.split("|")[1].strip() for row in hubs.splitlines()[2:]]  # first column: the hub tokens
+    assert tokens and set(tokens) <= set(WORDS) - {"[PAD]"}  # the tokenizer's tokens, not bare ids
+
+
+def test_hf_tokenizer_labels_are_its_tokens_and_ids_where_it_has_none():
+    tokenizer = word_tokenizer()
+    assert label_tokens([1, 5, 2], tokenizer) == ["[CLS]", "w5", "[SEP]"]
+    assert label_tokens([VOCAB + 3], tokenizer) == [str(VOCAB + 3)]  # unknown to the tokenizer
+
+
+def test_hf_sdpa_model_fails_in_setup_saying_what_to_set(tmp_path):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    with pytest.raises(MisconfigurationException, match="'model.encoder.layer.0.attention.self'.*attn_implementation='sdpa'"):
+        validate(tmp_path, monitor, tiny(attn_implementation="sdpa"))
+    with pytest.raises(ValueError, match='attn_implementation="eager"'):
+        find_attention_modules(tiny(attn_implementation="sdpa"))
+    # only the kept modules need weights: the pattern filter comes first
+    model = tiny(attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="matched no module"):
+        find_attention_modules(model, ["decoder.*"])
+
+
+def test_hf_switch_to_sdpa_after_setup_fails_loudly_and_leaves_no_hooks(tmp_path):
+    model = tiny()
+    with torch.no_grad():
+        model(**make_batches()[0])  # transformers installs its own hooks on the first call
+    hooks = hook_counts(model)
+
+    class Switching(Wrapper):
+        def on_validation_start(self):
+            self.model.set_attn_implementation("sdpa")
+
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", callbacks=[monitor], enable_progress_bar=False)
+    with pytest.raises(RuntimeError, match="runs attn_implementation='sdpa', which returns no attention weights"):
+        trainer.validate(Switching(model), DataLoader(make_batches(), batch_size=None), verbose=False)
+    assert hook_counts(model) == hooks
