@@ -1,9 +1,11 @@
 import copy
+import csv
 import gc
 import io
 import math
 import pickle
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,9 +209,31 @@ def test_callback_without_tensorboard_logs_scalars_and_warns_once(tmp_path):
     with pytest.warns(UserWarning, match="no TensorBoardLogger") as record:
         t.fit(TinyEncoder(), train, val)
     assert sum("no TensorBoardLogger" in str(w.message) for w in record) == 1
-    with open(f"{t.logger.log_dir}/metrics.csv") as csv:
-        text = csv.read()
+    with open(f"{t.logger.log_dir}/metrics.csv") as handle:
+        text = handle.read()
     assert "attention_asymmetry/encoder.layers.0.self_attn" in text
+
+
+def test_callback_scalars_reach_csv_and_tensorboard_with_the_same_values_and_images_only_tensorboard(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], sink_ids=[1])
+    train, val = loaders()
+    csv_logger, tb_logger = CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")
+    t = trainer(tmp_path, [monitor], logger=[csv_logger, tb_logger])
+    t.fit(TinyEncoder(), train, val)
+    with open(f"{csv_logger.log_dir}/metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    events = EventAccumulator(tb_logger.log_dir, size_guidance={SCALARS: 0, IMAGES: 0})
+    events.Reload()
+    ours = [tag for tag in events.Tags()["scalars"] if tag.startswith("attention_")]
+    assert ours and set(ours) <= set(rows[0])  # every scalar tag is a CSV column
+    for tag in ours:
+        from_csv = [(int(row["step"]), float(row[tag])) for row in rows if row[tag] != ""]
+        from_tb = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in from_csv] == [s for s, _ in from_tb], tag
+        assert [v for _, v in from_csv] == pytest.approx([v for _, v in from_tb], rel=1e-6, abs=1e-7), tag
+    assert len(events.Tags()["images"]) > 0
+    assert not list(Path(csv_logger.log_dir).glob("*.png"))  # images go to TensorBoard only
 
 
 def test_callback_log_every_n_epochs_hooks_only_logged_epochs(tmp_path):
