@@ -82,7 +82,7 @@ class AttentionMonitor(Callback):
             attribute), a callable ``batch -> LongTensor``, or a mapping of stream names to either, e.g.
             ``{"src": "src_ids", "tgt": "tgt_ids"}``.
         id_to_token: labels for the heatmap axes: a list, dict or callable id -> str, or a mapping stream name -> one
-            of those. Ids are shown when None.
+            of those (streams it leaves out show ids). Ids are shown when None.
         modules: fnmatch patterns over ``named_modules()`` names selecting the attention modules; all when None.
         attention_streams: fnmatch pattern -> ``(query_stream, key_stream)``, first match wins. Needed only when
             there are several streams and the modules are not stock ``nn.Transformer`` layers fed by streams named
@@ -124,11 +124,17 @@ class AttentionMonitor(Callback):
         tracked_ids: the ids to track instead of counting them: a sequence for every stream, or a mapping stream
             name -> sequence (``sink_ids`` are added). Other ids fold into ``<other>``.
         memory_budget: the most bytes of sums the callback may hold per device, over all modules and dataloaders
-            (an int, or a string such as ``"1GiB"`` or ``"512MB"``); it refuses to start, naming the figure and the
+            (a number, or a string such as ``"1GiB"`` or ``"512MB"``); it refuses to start, naming the figure and the
             knobs, rather than run out of memory. None for no limit. The figure is logged once either way.
 
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view).
+
+    Every argument can be set from a ``LightningCLI`` config file (``trainer.callbacks`` entry with ``class_path:
+    attn_callbacks.AttentionMonitor`` and ``init_args``; see ``examples/attention_monitor.yaml``). There a string
+    ``token_ids`` is always a batch key (a callable is given as ``class_path`` and ``init_args`` of a class whose
+    instances are callable), functions for ``id_to_token`` and ``probe_forward`` are given by import path
+    (``my_package.labels``), and ``probe`` is ``first`` or null (a probe batch of your own must hold tensors).
 
     Example:
         >>> monitor = AttentionMonitor(vocab_size=100, token_ids="input_ids", ignore_ids=[0])
@@ -138,8 +144,17 @@ class AttentionMonitor(Callback):
     def __init__(
         self,
         vocab_size: int | dict[str, int],
-        token_ids: TokenSource | dict[str, TokenSource] = "input_ids",
-        id_to_token: TokenLabels | dict[str, TokenLabels] = None,
+        # jsonargparse (LightningCLI) tries union members in the order written, and when it saves a config it writes any
+        # value that reaches a Callable member as a (broken) import path: the mappings come before the callables so that
+        # the config.yaml of SaveConfigCallback reads back (and for that, no None inside the id_to_token mapping).
+        token_ids: dict[str, TokenSource] | TokenSource = "input_ids",
+        id_to_token: (
+            Sequence[str]
+            | Mapping[int, str]
+            | dict[str, Sequence[str] | Mapping[int, str] | Callable[[int], str]]
+            | Callable[[int], str]
+            | None
+        ) = None,
         modules: Sequence[str] | None = None,
         attention_streams: dict[str, tuple[str, str]] | None = None,
         ignore_ids: Sequence[int] = (),
@@ -159,11 +174,11 @@ class AttentionMonitor(Callback):
         probe_forward: Callable[[LightningModule, Any], Any] | None = None,
         probe_samples: int = 1,
         export: Literal["pt", "npz"] | None = None,
-        export_dir: str | None = None,
+        export_dir: str | Path | None = None,
         monitor_test: bool = False,
         max_tracked_tokens: int | dict[str, int] | None = None,
         tracked_ids: Sequence[int] | dict[str, Sequence[int]] | None = None,
-        memory_budget: int | str | None = "1GiB",
+        memory_budget: int | float | str | None = "1GiB",
     ) -> None:
         self._getters = stream_getters(token_ids)
         self._vocab = resolve_vocab_sizes(vocab_size, list(self._getters))

@@ -30,7 +30,10 @@ __all__ = [
 #: The stream name used when ``token_ids`` is a single key or callable.
 DEFAULT_STREAM = "tokens"
 
-TokenSource = str | int | Callable[[Any], Tensor]
+# A batch key, or a callable batch -> LongTensor (B, L). The callable is typed ``Callable[[Any], Any]`` on purpose:
+# jsonargparse (LightningCLI) reads a callable returning a class as "build that class from a config dict", and would
+# turn a mapping of streams into a ``Tensor`` factory.
+TokenSource = str | int | Callable[[Any], Any]
 
 
 def stream_getters(token_ids: TokenSource | Mapping[str, TokenSource]) -> dict[str, TokenSource]:
