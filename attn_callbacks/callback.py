@@ -21,7 +21,7 @@ from attn_callbacks import hf, render
 from attn_callbacks.capture import AttentionCapture, find_attention_modules, num_heads
 from attn_callbacks.export import save_epoch
 from attn_callbacks.metrics import AttentionAccumulator, AttentionStats, merge_stats
-from attn_callbacks.render import TokenLabels
+from attn_callbacks.render import Tokenizer, TokenLabels
 from attn_callbacks.tokens import (
     OTHER_LABEL,
     TokenSource,
@@ -81,8 +81,9 @@ class AttentionMonitor(Callback):
         token_ids: where the token ids ``(B, L)`` of a batch are: a batch key (mapping key, sequence index or
             attribute), a callable ``batch -> LongTensor``, or a mapping of stream names to either, e.g.
             ``{"src": "src_ids", "tgt": "tgt_ids"}``.
-        id_to_token: labels for the heatmap axes: a list, dict or callable id -> str, or a mapping stream name -> one
-            of those (streams it leaves out show ids). Ids are shown when None.
+        id_to_token: labels for the heatmap axes: a list, dict or callable id -> str, a Hugging Face tokenizer
+            (its ``convert_ids_to_tokens``), or a mapping stream name -> one of those (streams it leaves out show
+            ids). Ids are shown when None.
         modules: fnmatch patterns over ``named_modules()`` names selecting the attention modules; all when None.
         attention_streams: fnmatch pattern -> ``(query_stream, key_stream)``, first match wins. Needed only when
             there are several streams and the modules are not stock ``nn.Transformer`` layers fed by streams named
@@ -151,8 +152,9 @@ class AttentionMonitor(Callback):
         id_to_token: (
             Sequence[str]
             | Mapping[int, str]
-            | dict[str, Sequence[str] | Mapping[int, str] | Callable[[int], str]]
+            | dict[str, Sequence[str] | Mapping[int, str] | Callable[[int], str] | Tokenizer]
             | Callable[[int], str]
+            | Tokenizer
             | None
         ) = None,
         modules: Sequence[str] | None = None,
@@ -309,7 +311,7 @@ class AttentionMonitor(Callback):
             unknown = [s for s in sink_ids if s not in streams]
             if unknown:
                 raise ValueError(f"Argument `sink_ids` names unknown stream(s) {unknown}; streams: {streams}")
-            return {s: _int_list("sink_ids", ids) for s, ids in sink_ids.items()}
+            return {s: _int_list("sink_ids", sink_ids.get(s, ())) for s in streams}  # streams left out: none
         return dict.fromkeys(streams, _int_list("sink_ids", sink_ids))
 
     @staticmethod

@@ -323,7 +323,8 @@ def _check_sums(name: str, sums: Mapping[str, Any], where: str) -> None:
         "query_count": (vocab_q,),
         "skipped_rows": (),
         "uniform_sum": (vocab_q, vocab_k),
-        "position_sums": (len(F.POSITION_STATS), heads),
+        # per_head=False keeps one (head-mean) attention channel but position statistics for every head
+        "position_sums": (len(F.POSITION_STATS), heads if heads > 1 else sums["position_sums"].shape[-1]),
     }
     for field, shape in expected.items():
         if tuple(sums[field].shape) != shape:

@@ -884,3 +884,12 @@ def test_callback_bert_sized_vocabulary_runs_end_to_end_within_the_default_budge
     events.Reload()
     js = events.Scalars("attention_drift/js_prev/encoder.layers.1.self_attn")
     assert len(js) == 1 and math.isfinite(js[0].value)
+
+
+def test_callback_per_stream_sink_ids_may_leave_streams_out():
+    # streams without sinks get none, also where tracking needs every stream's sinks
+    two = {"vocab_size": {"a": 5, "b": 6}, "token_ids": {"a": "a", "b": "b"}, "sink_ids": {"b": [1]}}
+    monitor = AttentionMonitor(**two, max_tracked_tokens={"a": 3}, tracked_ids={"a": [4]})
+    assert monitor.state_dict()["tracked_ids"]["a"].tolist() == [4]
+    with pytest.raises(ValueError, match="`max_tracked_tokens`=1 for stream 'b' is smaller than its 2 `sink_ids`"):
+        AttentionMonitor(**{**two, "sink_ids": {"b": [1, 2]}}, max_tracked_tokens={"b": 1})

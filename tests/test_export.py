@@ -87,6 +87,22 @@ def test_save_epoch_round_trips_every_field(tmp_path, suffix):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".npz"])
+def test_save_epoch_round_trips_head_mean_sums_with_per_head_position_statistics(tmp_path, suffix):
+    # per_head=False: one head-mean channel of S, position statistics still per head
+    metric = AttentionAccumulator(HEADS, 6, 6, mean_of_heads=True)
+    for batch in make_batches(seed=4):
+        metric.update(*batch)
+    stats = metric.compute()
+    assert stats.attention_sum.shape == (1, 6, 6) and stats.position_sums.shape == (len(F.POSITION_STATS), HEADS)
+    path = tmp_path / f"mean{suffix}"
+    save_epoch(path, {SELF: stats}, streams={SELF: STREAMS[SELF]}, labels={"src": None}, epoch=0, global_step=0)
+    assert_stats_equal(load_epoch(path).modules[SELF], stats)
+    torch.testing.assert_close(
+        load_epoch(path).modules[SELF].attention_mass[0].double(), torch.from_numpy(loop_mass(4)[0])
+    )
+
+
 def test_save_epoch_pt_loads_with_weights_only(tmp_path):
     save_two_modules(tmp_path / "e.pt", seed=0)
     content = torch.load(tmp_path / "e.pt", weights_only=True)
