@@ -95,7 +95,7 @@ def test_example_config_builds_the_monitor_it_describes():
     assert monitor._vocab == given["vocab_size"]
     assert monitor._labels == given["id_to_token"]
     assert monitor.attention_streams == {pattern: tuple(pair) for pattern, pair in given["attention_streams"].items()}
-    assert monitor._sinks == given["sink_ids"]
+    assert monitor._sinks == {stream: given["sink_ids"].get(stream, []) for stream in given["token_ids"]}
     assert monitor._track_limit == {} and given["max_tracked_tokens"] is None
     assert monitor.memory_budget == parse_bytes("memory_budget", given["memory_budget"]) == 2**30
     special = {"token_ids", "vocab_size", "id_to_token", "attention_streams", "sink_ids", "max_tracked_tokens"}
