@@ -127,6 +127,10 @@ class AttentionMonitor(Callback):
         memory_budget: the most bytes of sums the callback may hold per device, over all modules and dataloaders
             (a number, or a string such as ``"1GiB"`` or ``"512MB"``); it refuses to start, naming the figure and the
             knobs, rather than run out of memory. None for no limit. The figure is logged once either way.
+        color_scale: ``"epoch"`` scales each image to its own largest value; ``"shared"`` gives each image tag one
+            scale across epochs, the largest value any monitored epoch has drawn under it so far (kept in
+            checkpoints), so colours compare by eye from epoch to epoch once the scale has settled; images drawn
+            before it last widened keep their narrower scale (every colour bar shows its numbers).
 
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view).
@@ -181,6 +185,7 @@ class AttentionMonitor(Callback):
         max_tracked_tokens: int | dict[str, int] | None = None,
         tracked_ids: Sequence[int] | dict[str, Sequence[int]] | None = None,
         memory_budget: int | float | str | None = "1GiB",
+        color_scale: Literal["epoch", "shared"] = "epoch",
     ) -> None:
         self._getters = stream_getters(token_ids)
         self._vocab = resolve_vocab_sizes(vocab_size, list(self._getters))
@@ -247,6 +252,10 @@ class AttentionMonitor(Callback):
                     f"{len(self._sinks[stream])} `sink_ids`, which are always tracked"
                 )
         self.memory_budget = None if memory_budget is None else parse_bytes("memory_budget", memory_budget)
+        if color_scale not in ("epoch", "shared"):
+            raise ValueError(f"Expected argument `color_scale` to be 'epoch' or 'shared', but got {color_scale!r}")
+        self.color_scale = color_scale
+        self._color_limits: dict[str, float] = {}  # image tag -> top of its colour scale so far (color_scale="shared")
         self._compact_tables: dict[str, Tensor] = {}  # stream -> id -> compact index, on the device
         self._pairs: dict[tuple[str, str], Tensor] = {}  # this batch's pair index per (query, key) stream
         self._budget_logged = False
@@ -524,6 +533,7 @@ class AttentionMonitor(Callback):
             "reference": self._reference,
             "probe_ids": self._probe_ids,
             "tracked_ids": dict(self._tracked),
+            "color_limits": dict(self._color_limits),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -538,6 +548,7 @@ class AttentionMonitor(Callback):
         self._probe_ids = state_dict["probe_ids"]
         # The tracked ids were frozen when the checkpointed run chose them: keep them, so epochs stay comparable.
         self._tracked.update(state_dict.get("tracked_ids") or {})
+        self._color_limits = dict(state_dict.get("color_limits") or {})
         self._compact_tables.clear()
 
     # ----------------------------------------------------------------------------------------------------- internals
@@ -913,7 +924,14 @@ class AttentionMonitor(Callback):
             def draw(tag: str, shown: Tensor, title: str, colour: str, diverging: bool = False) -> None:
                 matrix = shown.float().cpu().numpy()
                 images[tag] = self._figures.heatmap(
-                    tag + suffix, matrix, row_labels, col_labels, f"{layer}: {title}", colour, diverging
+                    tag + suffix,
+                    matrix,
+                    row_labels,
+                    col_labels,
+                    f"{layer}: {title}",
+                    colour,
+                    diverging,
+                    self._color_limit(tag + suffix, matrix),
                 )
 
             # Maps are drawn from the shown block only: differences of whole V × V matrices would be wasted work.
@@ -921,13 +939,15 @@ class AttentionMonitor(Callback):
             draw(f"{prefix}_mass/{layer}", shown, "attention mass P (mean of heads)", "P[query, key]")
             if self.per_head:
                 tag = f"{prefix}_mass_heads/{layer}"
+                matrices = mass_heads[:, rows][:, :, cols].float().cpu().numpy()
                 images[tag] = self._figures.head_grid(
                     tag + suffix,
-                    mass_heads[:, rows][:, :, cols].float().cpu().numpy(),
+                    matrices,
                     row_labels,
                     col_labels,
                     f"{layer}: attention mass P per head",
                     "P[query, key]",
+                    vmax=self._color_limit(tag + suffix, matrices),
                 )
             if square:  # rows == cols, so the block of Pᵀ is the transposed block
                 draw(
@@ -963,6 +983,15 @@ class AttentionMonitor(Callback):
         for tag, text in texts.items():
             writer.add_text(tag + suffix, text, step)
 
+    def _color_limit(self, tag: str, values: Any) -> float | None:
+        """Top of an image's colour scale: its own largest value (``color_scale="epoch"``), or the largest any epoch
+        drew under this tag so far (``"shared"``: the scale only widens, so maps of later epochs compare by eye)."""
+        if self.color_scale == "epoch":
+            return None
+        limit = max(self._color_limits.get(tag, 0.0), render.abs_max(values))
+        self._color_limits[tag] = limit
+        return limit
+
     def _probe_images(self, images: dict[str, Any], name: str, layer: str) -> None:
         prefix = self._stage_prefix
         weights = self._probe_weights.get(name)
@@ -984,6 +1013,7 @@ class AttentionMonitor(Callback):
                 f"{layer}: probe sample {sample}, attention weight (query position × key position)",
                 "weight",
                 titles=["mean of heads"] + [f"head {h}" for h in range(per_head.shape[0])],
+                vmax=self._color_limit(tag, panels),
             )
 
     def _tables(

@@ -15,6 +15,7 @@ __all__ = [
     "FigureCache",
     "TokenLabels",
     "Tokenizer",
+    "abs_max",
     "figure_to_array",
     "head_grid",
     "heatmap",
@@ -96,7 +97,7 @@ def _draw(
 ):
     """One heatmap on ``ax``; tick labels only for the axes given (``None``: no ticks, as for inner grid panels)."""
     if diverging:
-        limit = vmax if vmax is not None else _abs_max(matrix)
+        limit = vmax if vmax is not None else abs_max(matrix)
         image = ax.imshow(
             matrix, cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -limit, limit), aspect="auto", interpolation="nearest"
         )
@@ -115,8 +116,13 @@ def _draw(
     return image
 
 
-def _abs_max(matrix: np.ndarray) -> float:
-    """Largest finite absolute value (NaN cells are drawn blank), at least a tiny positive number."""
+def _text_inches(text: str, size: int) -> float:
+    return len(text) * size * _CHAR
+
+
+def abs_max(matrix: np.ndarray) -> float:
+    """Largest finite absolute value, at least a tiny positive number: the default top of a colour scale (NaN cells
+    are drawn blank)."""
     finite = np.abs(matrix[np.isfinite(matrix)])
     return max(float(finite.max()) if finite.size else 0.0, 1e-12)
 
@@ -128,16 +134,18 @@ def _grid_figure(
     col_labels: Sequence[str],
     title_lines: int,
     cell: float = _CELL,
+    title_inches: float = 0.0,
 ) -> tuple[Figure, list[list[tuple[float, float, float, float]]], tuple[float, float, float, float], int]:
     """A figure sized for ``nrows × ncols`` heatmap panels, the panels' rectangles and the colour bar's (figure
-    fractions), and the tick font size."""
+    fractions), and the tick font size. One row (column) of cells is at least as tall (wide) as a tick label's font,
+    so labels never overlap; the figure is at least as wide as its title, so the layer name is never cut."""
     size = _font_size(len(row_labels), len(col_labels))
     panel_w, panel_h = cell * max(len(col_labels), 8), cell * max(len(row_labels), 8)
     left = _label_inches(row_labels, size) + _AXIS_LABEL
     bottom = _label_inches(col_labels, size) + _AXIS_LABEL
     gap_w, gap_h = 0.2, _TITLE
     top = _TITLE * title_lines
-    width = left + ncols * panel_w + (ncols - 1) * gap_w + _COLORBAR
+    width = max(left + ncols * panel_w + (ncols - 1) * gap_w + _COLORBAR, title_inches)
     height = bottom + nrows * panel_h + (nrows - 1) * gap_h + top
     panels = [
         [
@@ -152,7 +160,8 @@ def _grid_figure(
         for r in range(nrows)
     ]
     panels_height = nrows * panel_h + (nrows - 1) * gap_h
-    colorbar = ((width - _COLORBAR + 0.15) / width, bottom / height, 0.15 / width, panels_height / height)
+    colorbar_left = left + ncols * panel_w + (ncols - 1) * gap_w + 0.15
+    colorbar = (colorbar_left / width, bottom / height, 0.15 / width, panels_height / height)
     return Figure(figsize=(width, height), dpi=100), panels, colorbar, size
 
 
@@ -177,7 +186,9 @@ def heatmap(
         vmax: top of the colour scale (symmetric limit when diverging); the data's maximum if None. NaN cells are
             drawn blank.
     """
-    figure, panels, colorbar, size = _grid_figure(1, 1, row_labels, col_labels, title_lines=1)
+    left = _label_inches(row_labels, _font_size(len(row_labels), len(col_labels))) + _AXIS_LABEL
+    title_inches = left + _text_inches(title, 9) + 0.2  # the title starts at the panel's left edge
+    figure, panels, colorbar, size = _grid_figure(1, 1, row_labels, col_labels, 1, title_inches=title_inches)
     ax = figure.add_axes(panels[0][0])
     image = _draw(ax, matrix, row_labels, col_labels, diverging, vmax, size)
     ax.set_title(title, fontsize=9, loc="left")
@@ -193,6 +204,7 @@ def head_grid(
     colorbar_label: str,
     titles: Sequence[str] | None = None,
     diverging: bool = False,
+    vmax: float | None = None,
 ) -> Figure:
     """Per-head heatmaps ``(H, R, C)`` in a grid sharing one colour scale, so heads compare by eye.
 
@@ -206,13 +218,17 @@ def head_grid(
         colorbar_label: what the colour means.
         titles: one title per panel; ``head 0``, ``head 1`` ... if None.
         diverging: a red/blue scale centred on 0.
+        vmax: top of the shared colour scale (symmetric limit when diverging); the largest value if None.
     """
     heads = matrices.shape[0]
     titles = [f"head {h}" for h in range(heads)] if titles is None else list(titles)
     ncols = min(heads, 4)
     nrows = math.ceil(heads / ncols)
-    figure, panels, colorbar, size = _grid_figure(nrows, ncols, row_labels, col_labels, 2, cell=_CELL * 0.75)
-    vmax = _abs_max(matrices)
+    title_inches = _text_inches(title, 10) + 0.4
+    figure, panels, colorbar, size = _grid_figure(
+        nrows, ncols, row_labels, col_labels, 2, cell=_CELL * 0.75, title_inches=title_inches
+    )
+    vmax = abs_max(matrices) if vmax is None else vmax
     image = None
     for h in range(heads):
         r, c = divmod(h, ncols)
@@ -259,10 +275,11 @@ class FigureCache:
         title: str,
         colorbar_label: str,
         diverging: bool = False,
+        vmax: float | None = None,
     ) -> np.ndarray:
         """:func:`heatmap` of ``matrix`` as an ``(H, W, 3)`` uint8 array."""
         layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), title, colorbar_label, diverging)
-        limit = _abs_max(matrix)
+        limit = abs_max(matrix) if vmax is None else vmax
         return self._render(
             tag,
             layout,
@@ -282,6 +299,7 @@ class FigureCache:
         colorbar_label: str,
         titles: Sequence[str] | None = None,
         diverging: bool = False,
+        vmax: float | None = None,
     ) -> np.ndarray:
         """:func:`head_grid` of ``matrices`` as an ``(H, W, 3)`` uint8 array."""
         layout = (
@@ -294,13 +312,14 @@ class FigureCache:
             tuple(titles or ()),
             diverging,
         )
+        limit = abs_max(matrices) if vmax is None else vmax
         return self._render(
             tag,
             layout,
             list(matrices),
-            _abs_max(matrices),
+            limit,
             diverging,
-            lambda: head_grid(matrices, row_labels, col_labels, title, colorbar_label, titles, diverging),
+            lambda: head_grid(matrices, row_labels, col_labels, title, colorbar_label, titles, diverging, limit),
         )
 
     def _render(

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALA
 from torch import nn
 from torch.utils.data import DataLoader
 
-from attn_callbacks import AttentionMonitor, capture_attention
+from attn_callbacks import AttentionMonitor, capture_attention, load_epoch
 from attn_callbacks.functional import accumulate_attention_reference, attention_mass
 from attn_callbacks.metrics import _SUMS, stats_from_sums
 from attn_callbacks.tokens import most_frequent_ids
@@ -893,3 +893,34 @@ def test_callback_per_stream_sink_ids_may_leave_streams_out():
     assert monitor.state_dict()["tracked_ids"]["a"].tolist() == [4]
     with pytest.raises(ValueError, match="`max_tracked_tokens`=1 for stream 'b' is smaller than its 2 `sink_ids`"):
         AttentionMonitor(**{**two, "sink_ids": {"b": [1, 2]}}, max_tracked_tokens={"b": 1})
+
+
+def test_callback_shared_colour_scale_is_the_largest_value_drawn_so_far_and_checkpointed(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(
+        VOCAB, "input_ids", ignore_ids=[PAD], top_k=VOCAB, color_scale="shared", export="pt", per_head=True
+    )
+    train, val = loaders()
+    trainer(tmp_path, [monitor], max_epochs=3).fit(TinyEncoder(), train, val)
+    limits = monitor.state_dict()["color_limits"]
+    layer = "encoder.layers.1.self_attn"
+    tops, head_tops, asymmetry_tops = [], [], []
+    for path in sorted(tmp_path.rglob("*.pt")):  # the exported epochs: an independent record of what was drawn
+        stats = load_epoch(path).modules[layer]
+        seen = stats.query_count > 0  # heatmaps show the tokens seen as queries (top_k covers all)
+        heads = stats.attention_mass[:, seen][:, :, seen].double()
+        tops.append(float(heads.mean(0).max()))
+        head_tops.append(float(heads.max()))
+        asymmetry_tops.append(float((heads.mean(0) - heads.mean(0).T).abs().max()))
+    assert len(tops) == 3
+    assert limits[f"attention_mass/{layer}"] == pytest.approx(max(tops), rel=1e-5)
+    assert limits[f"attention_mass_heads/{layer}"] == pytest.approx(max(head_tops), rel=1e-5)
+    assert limits[f"attention_asymmetry_map/{layer}"] == pytest.approx(max(asymmetry_tops), rel=1e-5)
+    restored = AttentionMonitor(VOCAB, "input_ids", color_scale="shared")
+    restored.load_state_dict(torch.load(io.BytesIO(_saved(monitor.state_dict())), weights_only=True))
+    assert restored.state_dict()["color_limits"] == limits
+    per_epoch = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    trainer(tmp_path / "b", [per_epoch], max_epochs=1).fit(TinyEncoder(), train, val)
+    assert per_epoch.state_dict()["color_limits"] == {}
+    with pytest.raises(ValueError, match="`color_scale` to be 'epoch' or 'shared', but got 'fixed'"):
+        AttentionMonitor(VOCAB, "input_ids", color_scale="fixed")

@@ -1,4 +1,8 @@
+import itertools
+
 import numpy as np
+import pytest
+from matplotlib.text import Text
 
 from attn_callbacks import render
 
@@ -64,3 +68,61 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_me
     assert len(cache._entries) == 3
     tiny = render.FigureCache(max_bytes=0)  # nothing kept, still drawn right
     assert np.array_equal(tiny.heatmap("m", second, labels, labels, "T", "P"), again) and not tiny._entries
+
+
+def _no_overlap(boxes, axis):
+    spans = sorted((b.y0, b.y1) if axis == "y" else (b.x0, b.x1) for b in boxes)
+    return all(end <= start + 0.01 for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+def _inside(figure, box):
+    return box.x0 >= 0 and box.y0 >= 0 and box.x1 <= figure.bbox.width + 0.5 and box.y1 <= figure.bbox.height + 0.5
+
+
+@pytest.mark.parametrize("n", [3, 30, 60])
+def test_tick_labels_never_overlap_and_titles_fit_in_the_image(n):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    labels = render.label_tokens(range(n), [f"word-piece-{i}-with-a-long-tail" for i in range(n)])
+    layer = "model.encoder.layer.11.attention.self"
+    for figure in (
+        render.heatmap(np.random.rand(n, n), labels, labels, f"{layer}: attention mass P (mean of heads)", "P"),
+        render.head_grid(np.random.rand(6, n, n), labels, labels, f"{layer}: attention mass P per head", "P"),
+    ):
+        FigureCanvasAgg(figure).draw()
+        renderer = figure.canvas.get_renderer()
+        for ax in figure.axes[:-1]:  # the last axes is the colour bar
+            rows = [t for t in ax.get_yticklabels() if t.get_text()]
+            cols = [t for t in ax.get_xticklabels() if t.get_text()]
+            row_boxes = [t.get_window_extent(renderer) for t in rows]
+            col_boxes = [t.get_window_extent(renderer) for t in cols]
+            assert _no_overlap(row_boxes, "y") and _no_overlap(col_boxes, "x")
+            assert all(_inside(figure, box) for box in row_boxes + col_boxes)
+            if ax.get_title():
+                assert _inside(figure, ax.title.get_window_extent(renderer))
+        titles = [t for t in figure.findobj(Text) if layer in t.get_text()]
+        assert len(titles) == 1 and _inside(figure, titles[0].get_window_extent(renderer))  # the layer is never cut
+
+
+def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    labels = [f"t{i}" for i in range(10)]
+    small, large = np.full((10, 10), 0.2), np.full((10, 10), 0.8)
+    small[0, 0] = large[0, 0] = 0.2  # one cell with the same value in both
+    a = render.heatmap(small, labels, labels, "T", "P", vmax=1.0)
+    b = render.heatmap(large, labels, labels, "T", "P", vmax=1.0)
+    assert a.axes[0].get_images()[0].get_clim() == (0.0, 1.0)
+    pixels_a, pixels_b = render.figure_to_array(a), render.figure_to_array(b)
+    ax = a.axes[0]
+    FigureCanvasAgg(a).draw()
+    x, y = ax.transData.transform((0, 0))  # centre of cell [0, 0]
+    row, col = int(a.bbox.height - y), int(x)
+    assert np.array_equal(pixels_a[row, col], pixels_b[row, col])  # same value, same colour
+    assert not np.array_equal(pixels_a[row, col + 40], pixels_b[row, col + 40])  # 0.2 vs 0.8
+    cache = render.FigureCache()
+    cache.heatmap("m", large, labels, labels, "T", "P", vmax=2.0)
+    again = cache.heatmap("m", small, labels, labels, "T", "P", vmax=1.0)
+    assert np.array_equal(again, pixels_a)
+    grid = render.head_grid(np.stack([small, large]), labels, labels, "G", "P", vmax=3.0)
+    assert all(ax.get_images()[0].get_clim() == (0.0, 3.0) for ax in grid.axes[:2])
