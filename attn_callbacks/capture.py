@@ -58,7 +58,7 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     if not found:
         raise ValueError(
             "No torch.nn.MultiheadAttention or Hugging Face attention module found in the model "
-            f"({type(model).__name__})"
+            f"({type(model).__name__}){hf.unsupported_hint(model)}"
         )
     if patterns is not None:
         found = _filter(named, found, patterns)

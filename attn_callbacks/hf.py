@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["attention_outputs", "check_eager", "no_weights_message"]
+__all__ = ["attention_outputs", "check_eager", "no_weights_message", "unsupported_hint"]
 
 _ATTENTION_KEYS = ("attentions", "cross_attentions")
 
@@ -44,6 +44,21 @@ def attention_outputs(model: nn.Module) -> dict[str, int]:
                 if matches and (layer_name is None or f".{layer_name.strip('.')}." in f".{name}."):
                     found[name] = index  # outer models come first: an inner model's own spec wins
     return found
+
+
+def unsupported_hint(model: nn.Module) -> str:
+    """Why a model holding Hugging Face models has no attention module we can read, or ``""``."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return ""
+    roots = [type(m).__name__ for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
+    if not roots:
+        return ""
+    return (
+        f"; it holds the Hugging Face model {roots[0]}, which declares no attention outputs in `_can_record_outputs` "
+        f"(transformers {transformers.__version__}: attn_callbacks reads models that do, e.g. the BERT family in "
+        "transformers >= 5)"
+    )
 
 
 def check_eager(name: str, module: nn.Module) -> None:

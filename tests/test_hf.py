@@ -268,3 +268,12 @@ def test_hf_minilm_example_runs_offline_and_shows_the_real_attention_sinks(tmp_p
             hubs = events.Tensors(f"attention_hubs/{name}/text_summary")[-1].tensor_proto.string_val[0].decode()
             top = [row.split("|")[1].strip() for row in hubs.splitlines()[2:5]]
             assert {"[CLS]", "[SEP]"} & set(top), (layer, top)  # the sinks are the top PageRank hubs
+
+
+def test_hf_model_without_attention_outputs_is_named_in_the_error():
+    class NoRecords(transformers.BertModel):
+        _can_record_outputs = None  # as a model that declares nothing
+
+    config = tiny().config
+    with pytest.raises(ValueError, match="holds the Hugging Face model NoRecords, which declares no attention outputs"):
+        find_attention_modules(NoRecords(config))
