@@ -14,6 +14,8 @@ Rows are queries and columns are keys, always. Nothing here knows about Lightnin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -322,6 +324,32 @@ def _row_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
     return result
 
 
+# Epoch statistics of a large vocabulary run over blocks of rows on CPU. A full-size temporary (hundreds of MB) is
+# fresh memory that the kernel faults in page by page on every pass, which costs several times the arithmetic;
+# blocks of a few MB come back from the allocator's heap (and stay in cache). One block on GPU.
+_ROW_BLOCK_BYTES = 4 << 20
+
+
+def _row_blocks(matrix: Tensor) -> list[slice]:
+    """Slices over the rows (dim -2) of ``(..., R, C)``, each block of all leading indices about
+    ``_ROW_BLOCK_BYTES``; one slice for a vector, a small matrix or a GPU tensor."""
+    if matrix.dim() < 2 or matrix.is_cuda:
+        return [slice(None)]
+    rows = matrix.shape[-2]
+    row_bytes = max(matrix.numel() // max(rows, 1), 1) * matrix.element_size()
+    step = max(1, _ROW_BLOCK_BYTES // row_bytes)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)] or [slice(None)]
+
+
+def _sum_by_blocks(fn: Callable[[Any], Tensor], blocks: Iterable[Any], empty: Tensor) -> Tensor:
+    """``Σ_blocks fn(block)``, the partial sums added in float64; ``empty`` (zeros of the result's shape) when there
+    is no block."""
+    total = empty.double()
+    for block in blocks:
+        total = total + fn(block).double()
+    return total
+
+
 def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
     """``numerator / denominator`` with 0 wherever the denominator is 0 (broadcasting as usual).
 
@@ -388,9 +416,15 @@ def asymmetry_index(matrix: Tensor) -> Tensor:
     """
     if matrix.shape[-1] != matrix.shape[-2]:
         raise ValueError(f"Expected a square matrix for the asymmetry index, but got shape {tuple(matrix.shape)}")
-    cross = (matrix * matrix.transpose(-1, -2)).sum(dim=(-1, -2))
-    norm = (matrix * matrix).sum(dim=(-1, -2))
-    return (1 - safe_divide(cross, norm)).clamp(min=0).sqrt() * (norm > 0)
+    blocks, zero = _row_blocks(matrix), matrix.new_zeros(matrix.shape[:-2])
+
+    def cross_block(r: slice) -> Tensor:  # rows r of P against columns r of P, transposed
+        return (matrix[..., r, :] * matrix[..., :, r].transpose(-1, -2)).sum(dim=(-1, -2))
+
+    cross = _sum_by_blocks(cross_block, blocks, zero)
+    norm = _sum_by_blocks(lambda r: matrix[..., r, :].square().sum(dim=(-1, -2)), blocks, zero)
+    index = (1 - safe_divide(cross, norm)).clamp(min=0).sqrt() * (norm > 0)
+    return index.to(matrix.dtype)
 
 
 def pairwise_asymmetry(matrix: Tensor) -> Tensor:
@@ -448,6 +482,9 @@ def row_plogp(matrix: Tensor) -> Tensor:
     Returns:
         ``(..., Vq)``. Pass it to :func:`row_entropy`, :func:`js_divergence` or :func:`attention_drift` to reuse it.
     """
+    blocks = _row_blocks(matrix)
+    if len(blocks) > 1:
+        return torch.cat([row_plogp(matrix[..., rows, :]) for rows in blocks], dim=-1)
     return _x_log_x(_normalize_rows(matrix))
 
 
@@ -551,8 +588,13 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
     # log2 then * ln 2, as in _x_log_x: log2 is vectorised on CPU where log is not.
     log_uniform = uniform_sum.to(attention_sum.dtype).clamp(min=tiny).log2().mul_(math.log(2.0)).reshape(-1)
     flat = attention_sum.reshape(-1, log_uniform.numel())  # (..., Vq * Vk) -> (prod(...), Vq * Vk)
-    exponent = safe_divide(_x_log_x(flat) - flat @ log_uniform, flat.sum(dim=-1))
-    return torch.exp(exponent.reshape(attention_sum.shape[:-2]))
+    s_log_s = _sum_by_blocks(
+        lambda r: _x_log_x(attention_sum[..., r, :]).sum(dim=-1),
+        _row_blocks(attention_sum),
+        attention_sum.new_zeros(attention_sum.shape[:-2]),
+    )
+    exponent = safe_divide(s_log_s.reshape(-1) - (flat @ log_uniform).double(), flat.sum(dim=-1).double())
+    return torch.exp(exponent.reshape(attention_sum.shape[:-2])).to(attention_sum.dtype)
 
 
 def js_divergence(p: Tensor, q: Tensor, p_plogp: Tensor | None = None, q_plogp: Tensor | None = None) -> Tensor:
@@ -574,6 +616,20 @@ def js_divergence(p: Tensor, q: Tensor, p_plogp: Tensor | None = None, q_plogp: 
         >>> float(js_divergence(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])))  # disjoint: log 2
         0.6931471824645996
     """
+    blocks = _row_blocks(p)
+    if len(blocks) > 1:
+        return torch.cat(
+            [
+                js_divergence(
+                    p[..., rows, :],
+                    q[..., rows, :],
+                    None if p_plogp is None else p_plogp[..., rows],
+                    None if q_plogp is None else q_plogp[..., rows],
+                )
+                for rows in blocks
+            ],
+            dim=-1,
+        )
     p, q = _normalize_rows(p), _normalize_rows(q)
     p_plogp = _x_log_x(p) if p_plogp is None else p_plogp
     q_plogp = _x_log_x(q) if q_plogp is None else q_plogp
@@ -616,20 +672,29 @@ def attention_drift(
         ``(js, frobenius)``, each ``(...)``.
     """
     supported = _supported_rows(current_count, reference_count, min_support)
-    # JS only where it has weight: often a small share of the vocabulary. Every row: no gathered copies.
-    rows = slice(None) if bool(supported.all()) else supported.nonzero()[:, 0]
+    # JS only where it has weight (often a small share of the vocabulary), gathered a block of rows at a time.
+    rows = supported.nonzero()[:, 0]
     weights = current_count[rows].to(current.dtype)
-    js_rows = js_divergence(
-        current[..., rows, :],
-        reference[..., rows, :].to(current.dtype),
-        None if current_plogp is None else current_plogp[..., rows],
-        None if reference_plogp is None else reference_plogp[..., rows].to(current.dtype),
-    )
-    js = safe_divide((js_rows * weights).sum(dim=-1), weights.sum())
-    frobenius = safe_divide(
-        torch.linalg.matrix_norm(current - reference), torch.linalg.matrix_norm(reference.to(current.dtype))
-    )
-    return js, frobenius
+    blocks, zero = _row_blocks(current), current.new_zeros(current.shape[:-2])
+    step = blocks[0].stop - blocks[0].start if len(blocks) > 1 else max(len(rows), 1)
+
+    def js_block(start: int) -> Tensor:
+        block = rows[start : start + step]
+        js_rows = js_divergence(
+            current[..., block, :],
+            reference[..., block, :].to(current.dtype),
+            None if current_plogp is None else current_plogp[..., block],
+            None if reference_plogp is None else reference_plogp[..., block].to(current.dtype),
+        )
+        return (js_rows * weights[start : start + step]).sum(dim=-1)
+
+    def change_block(r: slice) -> Tensor:
+        return (current[..., r, :] - reference[..., r, :]).square().sum(dim=(-1, -2))
+
+    js = safe_divide(_sum_by_blocks(js_block, range(0, len(rows), step), zero), weights.sum().double())
+    change = _sum_by_blocks(change_block, blocks, zero)
+    norm = _sum_by_blocks(lambda r: reference[..., r, :].square().sum(dim=(-1, -2)), blocks, zero)
+    return js.to(current.dtype), safe_divide(change.sqrt(), norm.sqrt()).to(current.dtype)
 
 
 def moved_tokens(
