@@ -749,9 +749,10 @@ class AttentionMonitor(Callback):
     def _remember(self, all_stats: dict[str, AttentionStats], epoch: int) -> None:
         """Keep this epoch's ``P`` as the previous one, and as the reference when it is the reference epoch."""
         snapshot = {
-            # Copies: the sums are views of the state, which is zeroed in place for the next epoch.
+            # P = S / Q is a tensor of its own (no copy needed on CPU); Q is a view of the state, which is zeroed in
+            # place for the next epoch: a copy.
             name: {
-                "attention_mass": stats.attention_mass.detach().to("cpu", copy=True),
+                "attention_mass": stats.attention_mass.detach().cpu(),
                 "query_count": stats.query_count.to("cpu", copy=True),
                 "row_plogp": self._plogp[name] if name in self._plogp else F.row_plogp(stats.attention_mass).cpu(),
             }
