@@ -258,9 +258,11 @@ class AttentionMonitor(Callback):
         self._color_limits: dict[str, float] = {}  # image tag -> top of its colour scale so far (color_scale="shared")
         self._compact_tables: dict[str, Tensor] = {}  # stream -> id -> compact index, on the device
         self._pairs: dict[tuple[str, str], Tensor] = {}  # this batch's pair index per (query, key) stream
+        self._calls: set[str] = set()  # modules that ran in this batch
         self._budget_logged = False
 
         self._attention: dict[str, nn.Module] = {}
+        self._heads: dict[str, int] = {}  # module -> number of heads
         self._streams_of: dict[str, tuple[str, str]] = {}
         self._metrics: dict[tuple[str, int], AttentionAccumulator] = {}  # (module, dataloader_idx) -> sums
         self._capture: AttentionCapture | None = None
@@ -361,6 +363,7 @@ class AttentionMonitor(Callback):
         """Find the attention modules and decide their token streams; misconfiguration fails here, not mid-epoch."""
         try:
             self._attention = find_attention_modules(pl_module, self.modules)
+            self._heads = {name: num_heads(module, name) for name, module in self._attention.items()}
             self._streams_of = resolve_streams(
                 list(self._attention), pl_module, list(self._getters), self.attention_streams
             )
@@ -423,7 +426,7 @@ class AttentionMonitor(Callback):
                     metric = self._metrics.get((name, idx))
                     if metric is None:
                         query_stream, key_stream = self._streams_of[name]
-                        sizes = (num_heads(module), self._size(query_stream), self._size(key_stream))
+                        sizes = (self._heads[name], self._size(query_stream), self._size(key_stream))
                         metric = AttentionAccumulator(*sizes, mean_of_heads=not self.per_head)
                         self._metrics[(name, idx)] = metric
                     metric.to(device)
@@ -440,6 +443,7 @@ class AttentionMonitor(Callback):
         self._batch = batch
         self._batch_ids.clear()
         self._pairs.clear()
+        self._calls.clear()
         self._probe_capturing = False
         self._dataloader_idx = dataloader_idx
         if self._capture is not None and self._capture.attached:
@@ -649,7 +653,7 @@ class AttentionMonitor(Callback):
         return {
             name: loaders
             * AttentionAccumulator.state_bytes(
-                num_heads(module), size(self._streams_of[name][0]), size(self._streams_of[name][1]), not self.per_head
+                self._heads[name], size(self._streams_of[name][0]), size(self._streams_of[name][1]), not self.per_head
             )
             for name, module in self._attention.items()
         }
@@ -737,6 +741,14 @@ class AttentionMonitor(Callback):
         if self._probe_capturing or self._probe_only:
             self._probe_weights[name] = weights[: self.probe_samples].detach().float().cpu()
         if not self._probe_only:
+            if name in self._calls:
+                self._warn_once(
+                    f"calls:{name}",
+                    f"AttentionMonitor: attention module {name!r} ran more than once in one batch (one module shared "
+                    "by several layers, as in ALBERT, or called in a loop): its sums add up every call, so its maps "
+                    "and numbers mix those calls; the probe shows the last one.",
+                )
+            self._calls.add(name)
             # The pair index depends on the ids only: one per batch for all modules reading the same streams.
             pairs = self._pairs.get((query_stream, key_stream))
             if pairs is None or pairs.device != weights.device:

@@ -82,9 +82,9 @@ def _filter(named: dict[str, nn.Module], found: dict[str, nn.Module], patterns: 
     return {name: m for name, m in found.items() if name in kept}  # model order, not pattern order
 
 
-def num_heads(module: nn.Module) -> int:
+def num_heads(module: nn.Module, name: str = "") -> int:
     """Number of heads of an attention module: ``nn.MultiheadAttention`` or a Hugging Face one (from the module or its
-    ``config``).
+    ``config``). ``name`` is for the error message.
 
     Raises:
         ValueError: the module says nowhere how many heads it has.
@@ -94,7 +94,10 @@ def num_heads(module: nn.Module) -> int:
             value = getattr(owner, attribute, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-    raise ValueError(f"Cannot tell the number of heads of attention module {type(module).__name__}")
+    raise ValueError(
+        f"Cannot tell the number of heads of attention module {name!r} ({type(module).__name__}): none of "
+        f"{', '.join(_HEAD_ATTRIBUTES)} is a positive integer on the module or on its `config`"
+    )
 
 
 class AttentionCapture:
@@ -202,8 +205,8 @@ class AttentionCapture:
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             weights = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
-            if not isinstance(weights, Tensor):  # switched to SDPA after setup, say: fail loudly, not sum nothing
-                raise RuntimeError(hf.no_weights_message(name, module))
+            if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
+                raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
             self.consumer(name, module, weights)
 
         return hook

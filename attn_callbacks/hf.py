@@ -25,24 +25,32 @@ def attention_outputs(model: nn.Module) -> dict[str, int]:
     """Every Hugging Face attention module in ``model`` by its ``named_modules()`` name -> the index of the
     attention weights in that module's output tuple. Empty when ``transformers`` is not imported.
 
-    A model nested in another (an encoder inside an encoder-decoder) uses its own ``_can_record_outputs``.
+    Matched as transformers matches ``output_attentions``: each module by the ``_can_record_outputs`` of the nearest
+    Hugging Face model holding it (an encoder inside an encoder-decoder by its own), names relative to the outermost
+    one. A class recorded under both keys is read at its ``attentions`` index.
     """
     transformers = sys.modules.get("transformers")
     if transformers is None:
         return {}
     found: dict[str, int] = {}
-    for root_name, root in model.named_modules():
-        if not isinstance(root, transformers.PreTrainedModel):
-            continue
-        recordable = getattr(type(root), "_can_record_outputs", None) or {}
-        specs = [_spec(spec) for key in _ATTENTION_KEYS for spec in _as_list(recordable.get(key))]
-        for name, module in root.named_modules(prefix=root_name):
+
+    def visit(module: nn.Module, name: str, relative: str | None, specs: list[tuple]) -> None:
+        if isinstance(module, transformers.PreTrainedModel):
+            recordable = getattr(type(module), "_can_record_outputs", None) or {}
+            specs = [_spec(spec) for key in _ATTENTION_KEYS for spec in _as_list(recordable.get(key))]
+            relative = "" if relative is None else relative
+        if relative is not None:
             for target_class, class_name, layer_name, index in specs:
                 matches = (target_class is not None and isinstance(module, target_class)) or (
-                    class_name is not None and name.endswith(class_name)
+                    class_name is not None and relative.endswith(class_name)
                 )
-                if matches and (layer_name is None or f".{layer_name.strip('.')}." in f".{name}."):
-                    found[name] = index  # outer models come first: an inner model's own spec wins
+                if matches and (layer_name is None or f".{layer_name.strip('.')}." in f"{relative}."):
+                    found.setdefault(name, index)
+        for child_name, child in module.named_children():
+            child_relative = None if relative is None else f"{relative}.{child_name}"
+            visit(child, f"{name}.{child_name}" if name else child_name, child_relative, specs)
+
+    visit(model, "", None, [])
     return found
 
 
@@ -55,9 +63,9 @@ def unsupported_hint(model: nn.Module) -> str:
     if not roots:
         return ""
     return (
-        f"; it holds the Hugging Face model {roots[0]}, which declares no attention outputs in `_can_record_outputs` "
-        f"(transformers {transformers.__version__}: attn_callbacks reads models that do, e.g. the BERT family in "
-        "transformers >= 5)"
+        f"; it holds the Hugging Face model {roots[0]}, which declares no attention modules we can read in "
+        f"`_can_record_outputs` (transformers {transformers.__version__}: attn_callbacks reads models that declare "
+        "them, e.g. BERT, RoBERTa, DistilBERT, ELECTRA in transformers >= 5; DeBERTa-v2 and MPNet do not)"
     )
 
 
@@ -72,10 +80,19 @@ def check_eager(name: str, module: nn.Module) -> None:
         raise ValueError(no_weights_message(name, module, implementation))
 
 
-def no_weights_message(name: str, module: nn.Module, implementation: Any = None) -> str:
-    """Why a Hugging Face attention module gives no weights, and what to set."""
+def no_weights_message(
+    name: str, module: nn.Module, implementation: Any = None, index: int | None = None, got: Any = None
+) -> str:
+    """Why a Hugging Face attention module gives no weights, and what to set (``index``, ``got``: what its output held
+    where the weights should be)."""
     if implementation is None:
         implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if implementation in (None, "eager"):
+        what = f"a tensor of shape {tuple(got.shape)}" if hasattr(got, "shape") else type(got).__name__
+        return (
+            f"Hugging Face attention module {name!r} ({type(module).__name__}) returned {what} at index {index} of "
+            "its output, where attention weights (B, H, Lq, Lk) were expected; select other modules with `modules`"
+        )
     return (
         f"Hugging Face attention module {name!r} ({type(module).__name__}) runs attn_implementation="
         f"{implementation!r}, which returns no attention weights. Load the model with "

@@ -51,7 +51,11 @@ def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length
     """
     labels = []
     # A tokenizer is callable too (text -> ids): it must be recognised before the callable case.
-    tokens = id_to_token.convert_ids_to_tokens([int(i) for i in ids]) if isinstance(id_to_token, Tokenizer) else None
+    tokens = None
+    if isinstance(id_to_token, Tokenizer):
+        known = [int(i) for i in ids if int(i) >= 0]  # a fast tokenizer cannot take a negative id
+        found = iter(id_to_token.convert_ids_to_tokens(known))
+        tokens = [next(found) if int(i) >= 0 else None for i in ids]
     for position, token in enumerate(ids):
         if tokens is not None:
             text = str(token) if tokens[position] is None else str(tokens[position])

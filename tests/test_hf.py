@@ -4,7 +4,9 @@ configs; the real MiniLM weights are exercised by examples/hf_minilm.py)."""
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -189,7 +191,7 @@ def test_hf_monitor_logs_scalars_images_and_tokenizer_labels(tmp_path):
 def test_hf_tokenizer_labels_are_its_tokens_and_ids_where_it_has_none():
     tokenizer = word_tokenizer()
     assert label_tokens([1, 5, 2], tokenizer) == ["[CLS]", "w5", "[SEP]"]
-    assert label_tokens([VOCAB + 3], tokenizer) == [str(VOCAB + 3)]  # unknown to the tokenizer
+    assert label_tokens([VOCAB + 3, -100], tokenizer) == [str(VOCAB + 3), "-100"]  # unknown to the tokenizer
 
 
 def test_hf_sdpa_model_fails_in_setup_saying_what_to_set(tmp_path):
@@ -275,5 +277,71 @@ def test_hf_model_without_attention_outputs_is_named_in_the_error():
         _can_record_outputs = None  # as a model that declares nothing
 
     config = tiny().config
-    with pytest.raises(ValueError, match="holds the Hugging Face model NoRecords, which declares no attention outputs"):
+    with pytest.raises(
+        ValueError, match="holds the Hugging Face model NoRecords, which declares no attention modules we can read"
+    ):
         find_attention_modules(NoRecords(config))
+
+
+def test_hf_nested_models_use_their_own_records_and_names_inside_the_model():
+    # An outer model whose rule would match submodules of the BERT inside it by name: transformers applies each model's
+    # rules to its own modules only, and so must we.
+    recorder = transformers.utils.output_capturing.OutputRecorder
+
+    class Outer(transformers.PreTrainedModel):
+        config_class = transformers.BertConfig
+        _can_record_outputs: ClassVar = {"attentions": recorder(target_class=None, class_name="output", index=1)}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.bert = transformers.BertModel(config)
+
+    model = Outer(tiny().config)
+    assert list(find_attention_modules(model)) == [f"bert.encoder.layer.{i}.attention.self" for i in range(LAYERS)]
+
+
+def test_hf_module_shared_by_layers_warns_that_its_sums_mix_the_calls(tmp_path):
+    config = transformers.AlbertConfig(
+        vocab_size=VOCAB,
+        embedding_size=8,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        intermediate_size=32,
+        max_position_embeddings=LENGTH + 4,
+        pad_token_id=PAD,
+    )
+    config._attn_implementation = "eager"
+    model = transformers.AlbertModel(config).eval()
+    (name,) = find_attention_modules(model)  # ALBERT runs one attention module for every layer
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], export="pt")
+    with pytest.warns(UserWarning, match=f"'model.{name}' ran more than once in one batch"):
+        validate(tmp_path, monitor, model)
+    stats = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules[f"model.{name}"]
+    tokens = sum(int((b["input_ids"] != PAD).sum()) for b in make_batches())
+    assert int(stats.query_count.sum()) == 3 * tokens  # one count per layer: the calls are summed
+
+
+def test_hf_output_without_weights_under_eager_attention_is_named_with_what_it_held():
+    model = tiny()
+    first = model.encoder.layer[0].attention.self
+    first.register_forward_hook(lambda module, args, output: (output[0], output[1][:, 0]))  # (B, Lq, Lk): no heads
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"'encoder.layer.0.attention.self' \(BertSelfAttention\) returned a tensor "
+            r"of shape \(4, 7, 7\) at index 1",
+        ),
+        torch.no_grad(),
+        capture_attention(model),
+    ):
+        model(**make_batches()[0])
+
+
+def test_hf_module_without_a_head_count_fails_in_setup_naming_it(tmp_path, monkeypatch):
+    model = tiny()
+    for layer in model.encoder.layer:  # a module and config that say nothing of heads
+        monkeypatch.delattr(layer.attention.self, "num_attention_heads")
+        monkeypatch.setattr(layer.attention.self, "config", types.SimpleNamespace(_attn_implementation="eager"))
+    with pytest.raises(MisconfigurationException, match="number of heads of attention module 'model.encoder.layer.0"):
+        validate(tmp_path, AttentionMonitor(VOCAB, "input_ids"), model)
