@@ -139,6 +139,7 @@ def _grid_figure(
     title_lines: int,
     cell: float = _CELL,
     title_inches: float = 0.0,
+    title_at_panel: bool = False,
 ) -> tuple[Figure, list[list[tuple[float, float, float, float]]], tuple[float, float, float, float], int]:
     """A figure sized for ``nrows × ncols`` heatmap panels, the panels' rectangles and the colour bar's (figure
     fractions), and the tick font size. One row (column) of cells is at least as tall (wide) as a tick label's font,
@@ -149,7 +150,10 @@ def _grid_figure(
     bottom = _label_inches(col_labels, size) + _AXIS_LABEL
     gap_w, gap_h = 0.2, _TITLE
     top = _TITLE * title_lines
-    width = max(left + ncols * panel_w + (ncols - 1) * gap_w + _COLORBAR, title_inches)
+    # The title starts at the panel's left edge (one heatmap) or near the figure's (a grid's suptitle).
+    width = max(
+        left + ncols * panel_w + (ncols - 1) * gap_w + _COLORBAR, title_inches + (left if title_at_panel else 0)
+    )
     height = bottom + nrows * panel_h + (nrows - 1) * gap_h + top
     panels = [
         [
@@ -190,9 +194,9 @@ def heatmap(
         vmax: top of the colour scale (symmetric limit when diverging); the data's maximum if None. NaN cells are
             drawn blank.
     """
-    left = _label_inches(row_labels, _font_size(len(row_labels), len(col_labels))) + _AXIS_LABEL
-    title_inches = left + _text_inches(title, 9) + 0.2  # the title starts at the panel's left edge
-    figure, panels, colorbar, size = _grid_figure(1, 1, row_labels, col_labels, 1, title_inches=title_inches)
+    figure, panels, colorbar, size = _grid_figure(
+        1, 1, row_labels, col_labels, 1, title_inches=_text_inches(title, 9) + 0.2, title_at_panel=True
+    )
     ax = figure.add_axes(panels[0][0])
     image = _draw(ax, matrix, row_labels, col_labels, diverging, vmax, size)
     ax.set_title(title, fontsize=9, loc="left")
