@@ -737,24 +737,21 @@ def test_epoch_statistics_by_row_blocks_equal_the_whole_matrix_computation(monke
     Q = torch.randint(0, 9, (11,), generator=g)
     U = torch.rand(11, 11, generator=g) + 0.1
     P, P2 = F.attention_mass(S, Q), F.attention_mass(torch.rand(3, 11, 11, generator=g), Q)
-    whole = {
-        "row_plogp": F.row_plogp(P),
-        "asymmetry": F.asymmetry_index(P),
-        "lift": F.mean_lift(S, U),
-        "js": F.js_divergence(P, P2),
-        "drift": torch.stack(F.attention_drift(P, P2, Q, Q.flip(0), 3)),
-        "drift_plogp": torch.stack(F.attention_drift(P, P2, Q, Q, 1, F.row_plogp(P), F.row_plogp(P2))),
-    }
+
+    def statistics():
+        return {
+            "row_plogp": F.row_plogp(P),
+            "asymmetry": F.asymmetry_index(P),
+            "lift": F.mean_lift(S, U),
+            "js": F.js_divergence(P, P2),
+            "drift": torch.stack(F.attention_drift(P, P2, Q, Q.flip(0), 3)),
+            "drift_plogp": torch.stack(F.attention_drift(P, P2, Q, Q, 1, F.row_plogp(P), F.row_plogp(P2))),
+        }
+
+    whole = statistics()
     monkeypatch.setattr(F, "_ROW_BLOCK_BYTES", 3 * 11 * 4 * 2)  # two rows (of all heads) per block
     assert len(F._row_blocks(P)) == 6
-    blocked = {
-        "row_plogp": F.row_plogp(P),
-        "asymmetry": F.asymmetry_index(P),
-        "lift": F.mean_lift(S, U),
-        "js": F.js_divergence(P, P2),
-        "drift": torch.stack(F.attention_drift(P, P2, Q, Q.flip(0), 3)),
-        "drift_plogp": torch.stack(F.attention_drift(P, P2, Q, Q, 1, F.row_plogp(P), F.row_plogp(P2))),
-    }
+    blocked = statistics()
     for name, value in whole.items():
         torch.testing.assert_close(blocked[name], value, rtol=1e-6, atol=1e-7, msg=name)
     assert float(F.attention_drift(P, P, Q, Q, 1)[0].abs().max()) == 0.0  # an epoch against itself: exactly 0
