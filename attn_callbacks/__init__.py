@@ -1,7 +1,8 @@
 """attn_callbacks: watch which vocabulary items attend to which while a transformer trains.
 
 The public names: :class:`AttentionMonitor` (the Lightning callback), :class:`AttentionAccumulator` (the torchmetrics
-state it keeps per attention module), :func:`capture_attention` (per-head weights outside Lightning) and the pure
+state it keeps per attention module), :func:`capture_attention` (per-head weights outside Lightning, from
+``nn.MultiheadAttention`` and Hugging Face eager attention alike) and the pure
 functions in :mod:`attn_callbacks.functional`; :func:`save_epoch`, :func:`load_epoch` and :func:`export_graph` write
 an epoch's sums to disk, read them back and export an attention graph (``python -m attn_callbacks`` compares epochs).
 """

@@ -57,7 +57,8 @@ class AttentionMonitor(Callback):
     r"""Log which vocabulary items attend to which, per attention layer and head, and how that drifts over epochs.
 
     During validation it hooks every selected ``torch.nn.MultiheadAttention`` of the LightningModule (stock
-    ``nn.Transformer*`` layers included), maps each attention weight to the (query token id, key token id) pair it
+    ``nn.Transformer*`` layers included) and every attention module of a Hugging Face BERT-family model run with
+    ``attn_implementation="eager"``, maps each attention weight to the (query token id, key token id) pair it
     connects and accumulates, on the module's device, per module (see the glossary in the README): the attention sum
     ``S[h, a, b]``, pair count ``C[a, b]``, query count ``Q[a]``, the uniform baseline ``U[a, b]`` (the mass uniform
     attention over the same visible keys would give) and position-level sums.
