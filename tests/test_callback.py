@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _reference import add_loop_sums
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -162,14 +163,7 @@ def test_callback_sums_equal_reference_from_manually_captured_weights(tmp_path):
             x = model.encoder.layers[0](model.embed(ids), src_key_padding_mask=ids == PAD)
             attn = model.encoder.layers[1].self_attn
             _, w = attn(x, x, x, key_padding_mask=ids == PAD, need_weights=True, average_attn_weights=False)
-            for n in range(ids.shape[0]):
-                for i in range(LENGTH):
-                    if ids[n, i] == PAD:
-                        continue
-                    Q[ids[n, i]] += 1
-                    for j in range(LENGTH):
-                        if ids[n, j] != PAD:
-                            S[:, ids[n, i], ids[n, j]] += w[n, :, i, j].double()
+            add_loop_sums(S, Q, ids, w, PAD)
     torch.testing.assert_close(stats.attention_sum.double(), S, rtol=1e-4, atol=1e-5)
     assert torch.equal(stats.query_count.double(), Q)
     P = stats.attention_mass
