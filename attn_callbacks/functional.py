@@ -330,15 +330,22 @@ def _row_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
 _ROW_BLOCK_BYTES = 4 << 20
 
 
-def _row_blocks(matrix: Tensor) -> list[slice]:
-    """Slices over the rows (dim -2) of ``(..., R, C)``, each block of all leading indices about
-    ``_ROW_BLOCK_BYTES``; one slice for a vector, a small matrix or a GPU tensor."""
+def _rows_per_block(matrix: Tensor) -> int:
+    """How many rows (dim -2) of ``(..., R, C)``, across all leading indices, make about ``_ROW_BLOCK_BYTES``; every
+    row for a vector or a GPU tensor."""
     if matrix.dim() < 2 or matrix.is_cuda:
+        return max(matrix.shape[-2] if matrix.dim() >= 2 else 1, 1)
+    row_bytes = max(matrix.numel() // max(matrix.shape[-2], 1), 1) * matrix.element_size()
+    return max(1, _ROW_BLOCK_BYTES // row_bytes)
+
+
+def _row_blocks(matrix: Tensor) -> list[slice]:
+    """Slices over the rows (dim -2) of ``(..., R, C)`` of :func:`_rows_per_block` rows each; one slice for a vector,
+    a small matrix or a GPU tensor."""
+    rows, step = (matrix.shape[-2] if matrix.dim() >= 2 else 1), _rows_per_block(matrix)
+    if matrix.dim() < 2 or step >= rows:
         return [slice(None)]
-    rows = matrix.shape[-2]
-    row_bytes = max(matrix.numel() // max(rows, 1), 1) * matrix.element_size()
-    step = max(1, _ROW_BLOCK_BYTES // row_bytes)
-    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)] or [slice(None)]
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def _sum_by_blocks(fn: Callable[[Any], Tensor], blocks: Iterable[Any], empty: Tensor) -> Tensor:
@@ -676,7 +683,7 @@ def attention_drift(
     rows = supported.nonzero()[:, 0]
     weights = current_count[rows].to(current.dtype)
     blocks, zero = _row_blocks(current), current.new_zeros(current.shape[:-2])
-    step = blocks[0].stop - blocks[0].start if len(blocks) > 1 else max(len(rows), 1)
+    step = _rows_per_block(current)
 
     def js_block(start: int) -> Tensor:
         block = rows[start : start + step]

@@ -150,10 +150,9 @@ def _grid_figure(
     bottom = _label_inches(col_labels, size) + _AXIS_LABEL
     gap_w, gap_h = 0.2, _TITLE
     top = _TITLE * title_lines
+    panels_right = left + ncols * panel_w + (ncols - 1) * gap_w
     # The title starts at the panel's left edge (one heatmap) or near the figure's (a grid's suptitle).
-    width = max(
-        left + ncols * panel_w + (ncols - 1) * gap_w + _COLORBAR, title_inches + (left if title_at_panel else 0)
-    )
+    width = max(panels_right + _COLORBAR, title_inches + (left if title_at_panel else 0))
     height = bottom + nrows * panel_h + (nrows - 1) * gap_h + top
     panels = [
         [
@@ -168,8 +167,7 @@ def _grid_figure(
         for r in range(nrows)
     ]
     panels_height = nrows * panel_h + (nrows - 1) * gap_h
-    colorbar_left = left + ncols * panel_w + (ncols - 1) * gap_w + 0.15
-    colorbar = (colorbar_left / width, bottom / height, 0.15 / width, panels_height / height)
+    colorbar = ((panels_right + 0.15) / width, bottom / height, 0.15 / width, panels_height / height)
     return Figure(figsize=(width, height), dpi=100), panels, colorbar, size
 
 
