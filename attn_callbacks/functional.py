@@ -570,7 +570,7 @@ def lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
     return safe_divide(attention_sum, uniform_sum)
 
 
-def mean_lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
+def mean_lift(attention_sum: Tensor, uniform_sum: Tensor, plogp: Tensor | None = None) -> Tensor:
     """Attention-weighted geometric mean lift: ``exp(Σ_ab S[a, b] log(S[a, b] / U[a, b]) / Σ_ab S[a, b])``.
 
     "On average, attention lands on (query, key) token pairs this many times more than uniform attention over the
@@ -581,6 +581,8 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
     Args:
         attention_sum: ``(..., Vq, Vk)`` (``mean_h S[h]`` for the layer, ``S`` per head).
         uniform_sum: ``(Vq, Vk)``.
+        plogp: :func:`row_plogp` of ``attention_sum`` (or of ``P``: rows are renormalised) when the caller has it,
+            ``(..., Vq)``: then no logarithm of the V × V sums is taken again.
 
     Returns:
         ``(...)``.
@@ -595,11 +597,16 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
     # log2 then * ln 2, as in _x_log_x: log2 is vectorised on CPU where log is not.
     log_uniform = uniform_sum.to(attention_sum.dtype).clamp(min=tiny).log2().mul_(math.log(2.0)).reshape(-1)
     flat = attention_sum.reshape(-1, log_uniform.numel())  # (..., Vq * Vk) -> (prod(...), Vq * Vk)
-    s_log_s = _sum_by_blocks(
-        lambda r: _x_log_x(attention_sum[..., r, :]).sum(dim=-1),
-        _row_blocks(attention_sum),
-        attention_sum.new_zeros(attention_sum.shape[:-2]),
-    )
+    if plogp is None:
+        s_log_s = _sum_by_blocks(
+            lambda r: _x_log_x(attention_sum[..., r, :]).sum(dim=-1),
+            _row_blocks(attention_sum),
+            attention_sum.new_zeros(attention_sum.shape[:-2]),
+        )
+    else:
+        # Row a is r_a p_a with p_a summing to 1: Σ_b S log S = r_a (log r_a + Σ_b p log p).
+        rows = attention_sum.sum(dim=-1).double()  # (..., Vq)
+        s_log_s = (rows * (rows.clamp(min=torch.finfo(torch.float64).tiny).log() + plogp.double())).sum(dim=-1)
     exponent = safe_divide(s_log_s.reshape(-1) - (flat @ log_uniform).double(), flat.sum(dim=-1).double())
     return torch.exp(exponent.reshape(attention_sum.shape[:-2])).to(attention_sum.dtype)
 
@@ -794,18 +801,23 @@ def in_degree(attention_sum: Tensor, query_count: Tensor) -> Tensor:
     return safe_divide(attention_sum.sum(dim=-2), query_count.sum())
 
 
-def pagerank(matrix: Tensor, damping: float = 0.85, tol: float = 1e-10, max_iter: int = 1000) -> Tensor:
+def pagerank(
+    matrix: Tensor, damping: float = 0.85, tol: float = 1e-10, max_iter: int = 1000, start: Tensor | None = None
+) -> Tensor:
     """PageRank of the directed graph whose edge ``a → b`` has weight ``P[a, b]`` (query ``a`` attends to key ``b``).
 
     The stationary distribution ``π = (1 - d) / V + d · π T`` of the random walk that follows attention with
     probability ``d`` (row-normalised ``T = P / P.sum(1)``; a token with no outgoing attention jumps uniformly) and
     restarts uniformly otherwise. Large ``π[b]``: attention flows to ``b`` from tokens that themselves receive much.
+    Rows are normalised, so the sums ``S`` give the same ranks as ``P = S / Q``.
 
     Args:
         matrix: ``(V, V)`` non-negative.
         damping: ``d`` in ``[0, 1)``.
         tol: stop when the L1 change is below this.
         max_iter: iteration cap.
+        start: ``(V,)`` first guess (the last epoch's ranks, say): only how fast the iteration gets there depends on
+            it. Uniform when None.
 
     Returns:
         ``(V,)`` float64, sums to 1.
@@ -819,12 +831,21 @@ def pagerank(matrix: Tensor, damping: float = 0.85, tol: float = 1e-10, max_iter
     size = matrix.shape[-1]
     if not 0 <= damping < 1:
         raise ValueError(f"Expected argument `damping` to be in [0, 1), but got {damping!r}")
-    transition = matrix.double()
-    out = transition.sum(dim=1, keepdim=True)
-    transition = torch.where(out > 0, safe_divide(transition, out), torch.full_like(transition, 1.0 / size))
+    if start is not None and (start.shape != (size,) or not bool(torch.isfinite(start).all()) or start.sum() <= 0):
+        raise ValueError(f"Expected argument `start` to be {size} finite weights with a positive sum, got {start!r}")
+    weights = matrix.double()
+    out = weights.sum(dim=1)
+    # π T = (π / out) @ P over the rows with outgoing attention, plus the mass of the others spread uniformly: the
+    # matrix is read as it is, never normalised into a second V × V copy.
+    inverse_out = torch.where(out > 0, 1 / torch.where(out > 0, out, 1), 0)
+    dangling = out == 0
     rank = torch.full((size,), 1.0 / size, dtype=torch.float64, device=matrix.device)
+    if start is not None:
+        rank = start.to(rank).clamp(min=0)
+        rank = rank / rank.sum()
     for _ in range(max_iter):
-        new = (1 - damping) / size + damping * (rank @ transition)
+        spread = rank[dangling].sum() / size
+        new = (1 - damping) / size + damping * ((rank * inverse_out) @ weights + spread)
         done = float((new - rank).abs().sum()) < tol
         rank = new
         if done:

@@ -659,6 +659,20 @@ def test_pagerank_matches_numpy_eigenvector():
         assert math.isclose(float(rank.sum()), 1.0, rel_tol=1e-12)
 
 
+def test_pagerank_of_sums_equals_pagerank_of_mass_and_does_not_depend_on_the_start():
+    g = torch.Generator().manual_seed(7)
+    sums = torch.rand(6, 6, generator=g, dtype=torch.float64) * (torch.rand(6, 6, generator=g) > 0.3)
+    sums[2] = 0  # dangling
+    counts = torch.tensor([3, 1, 0, 5, 2, 4])
+    expected = torch.from_numpy(naive_pagerank(F.attention_mass(sums, counts).numpy(), 0.85))
+    torch.testing.assert_close(F.pagerank(sums), expected, rtol=0, atol=1e-9)
+    for start in (torch.rand(6, generator=g), torch.eye(6)[4], expected * 3):
+        torch.testing.assert_close(F.pagerank(sums, start=start), expected, rtol=0, atol=1e-9)
+    for bad in (torch.zeros(6), torch.ones(5), torch.full((6,), float("nan"))):
+        with pytest.raises(ValueError, match="start"):
+            F.pagerank(sums, start=bad)
+
+
 def test_pagerank_docstring_example_and_uniform_cases():
     rank = F.pagerank(torch.tensor([[0.0, 1.0], [0.0, 1.0]]), damping=0.5)
     # pi_0 = 0.25 + 0.5 * 0 ; pi_1 = 0.25 + 0.5 * (pi_0 + pi_1)
