@@ -605,6 +605,9 @@ def test_lift_and_mean_lift_match_loop_definitions(spec):
         assert math.isclose(float(F.mean_lift(matrix, U)), loop_mean_lift(matrix, U), rel_tol=1e-9)
     close(F.lift(S, U), torch.stack([loop_lift(m, U) for m in S]), rtol=1e-12, atol=0)
     close(F.mean_lift(S, U), as64([loop_mean_lift(m, U) for m in S]), rtol=1e-9, atol=0)
+    # From the rows' Σ p log p (of P, as the callback passes it), no logarithm of S taken again.
+    plogp = F.row_plogp(F.attention_mass(S, state["Q"]))
+    close(F.mean_lift(S, U, plogp), as64([loop_mean_lift(m, U) for m in S]), rtol=1e-9, atol=0)
 
 
 @_settings(120)
