@@ -14,6 +14,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor, nn
 
 from attn_callbacks import functional as F
@@ -283,6 +284,7 @@ class AttentionMonitor(Callback):
         self._probe_capturing = False  # the current batch is the probe: copy its weights
         self._probe_only = False  # running probe_forward: copy weights, do not accumulate
         self._figures = render.FigureCache()  # each image tag's figure, redrawn with new data every epoch
+        self._ranks: dict[str, Tensor] = {}  # last PageRank per module (and stage): where the next one starts
         self._plogp: dict[str, Tensor] = {}  # this epoch's row_plogp(P) per module, for its drift snapshot
 
     def __getstate__(self) -> dict[str, Any]:
@@ -845,11 +847,16 @@ class AttentionMonitor(Callback):
                 for h, value in enumerate(head_values):
                     scalars[f"{prefix}_{tag}/{layer}/head_{h}{suffix}"] = value
 
-        plogp_heads = F.row_plogp(mass_heads)  # (H, Vq): shared by the entropy and every drift comparison
-        add("entropy", F.row_entropy(mass, query_count), F.row_entropy(mass_heads, query_count, plogp_heads))
+        # Σ p log p of every row, (H, Vq) and (Vq,): shared by the entropy, the lift and every drift comparison.
+        plogp_heads, plogp = F.row_plogp(mass_heads), F.row_plogp(mass)
+        add("entropy", F.row_entropy(mass, query_count, plogp), F.row_entropy(mass_heads, query_count, plogp_heads))
         if square:
             add("asymmetry", F.asymmetry_index(mass), F.asymmetry_index(mass_heads))
-        add("lift", F.mean_lift(sum_mean, stats.uniform_sum), F.mean_lift(stats.attention_sum, stats.uniform_sum))
+        add(
+            "lift",
+            F.mean_lift(sum_mean, stats.uniform_sum, plogp),
+            F.mean_lift(stats.attention_sum, stats.uniform_sum, plogp_heads),
+        )
         positions = F.position_statistics(stats.position_sums, query_count)
         for stat, values in positions.items():
             add(f"position/{stat}", values.mean(), values)
@@ -993,7 +1000,7 @@ class AttentionMonitor(Callback):
         if self.num_pairs:
             texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix))
         for tag, image in images.items():
-            writer.add_image(tag + suffix, image, step, dataformats="HWC")
+            _add_image(writer, tag + suffix, image, step)
         for tag, text in texts.items():
             writer.add_text(tag + suffix, text, step)
 
@@ -1100,7 +1107,11 @@ class AttentionMonitor(Callback):
             tables[f"{prefix}_drift_tokens/{layer}"] = table(header, rows, "No query token seen often enough.")
         degree = F.in_degree(sum_mean, stats.query_count)
         if square:
-            rank = F.pagerank(mass)
+            # The sums give P's ranks (rows are normalised); last epoch's ranks are a close first guess.
+            start = self._ranks.get(name + prefix)
+            start = start if start is not None and start.shape == degree.shape else None  # a new model: no guess
+            rank = F.pagerank(sum_mean, start=start)
+            self._ranks[name + prefix] = rank
             order = F.top_tokens(rank * (degree > 0), self.num_pairs).tolist()
             rows = [(k_label(b), float(rank[b]), float(degree[b]), int(stats.query_count[b])) for b in order]
             header = ("token", "PageRank", "in-degree (share of attention received)", "Q")
@@ -1123,6 +1134,20 @@ def _tensorboard_writer(trainer: Trainer) -> Any:
         if isinstance(logger, TensorBoardLogger):
             return logger.experiment
     return None
+
+
+def _add_image(writer: Any, tag: str, image: Any, step: int) -> None:
+    """``writer.add_image(tag, image, step, dataformats="HWC")`` for an ``(H, W, 3)`` uint8 array, without its float
+    round trip and with faster PNG compression (:func:`render.png_bytes`); the same event a reader sees."""
+    file_writer = getattr(writer, "_get_file_writer", None)
+    if file_writer is None:  # not torch's (or tensorboardX's) SummaryWriter: its own add_image
+        writer.add_image(tag, image, step, dataformats="HWC")
+        return
+    height, width, channels = image.shape
+    picture = Summary.Image(
+        height=height, width=width, colorspace=channels, encoded_image_string=render.png_bytes(image)
+    )
+    file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
 
 def _as_list(loaders: Any) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -10,6 +11,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
+from PIL import Image
 
 __all__ = [
     "FigureCache",
@@ -21,6 +23,7 @@ __all__ = [
     "heatmap",
     "label_tokens",
     "markdown_table",
+    "png_bytes",
 ]
 
 
@@ -253,6 +256,14 @@ def figure_to_array(figure: Figure) -> np.ndarray:
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:
+    """An ``(H, W, 3)`` uint8 array as PNG bytes. Level 1 compresses a heatmap almost as well as the default 6 (flat
+    colour areas) in about half the time; the pixels are the same."""
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG", compress_level=compress_level)
+    return buffer.getvalue()
 
 
 class FigureCache:
