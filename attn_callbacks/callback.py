@@ -285,7 +285,8 @@ class AttentionMonitor(Callback):
         self._probe_only = False  # running probe_forward: copy weights, do not accumulate
         self._figures = render.FigureCache()  # each image tag's figure, redrawn with new data every epoch
         self._ranks: dict[str, Tensor] = {}  # last PageRank per module (and stage): where the next one starts
-        self._plogp: dict[str, Tensor] = {}  # this epoch's row_plogp(P) per module, for its drift snapshot
+        # This epoch's row_plogp(P) and mean_h P per module (on CPU), for its drift snapshot.
+        self._derived: dict[str, dict[str, Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.
@@ -536,8 +537,8 @@ class AttentionMonitor(Callback):
             "version": _STATE_VERSION,
             "previous_epoch": self._previous_epoch,
             "reference_epoch": self._reference_epoch,
-            "previous": self._previous,
-            "reference": self._reference,
+            "previous": _checkpointed(self._previous),
+            "reference": _checkpointed(self._reference),
             "probe_ids": self._probe_ids,
             "tracked_ids": dict(self._tracked),
             "color_limits": dict(self._color_limits),
@@ -763,17 +764,20 @@ class AttentionMonitor(Callback):
 
     def _remember(self, all_stats: dict[str, AttentionStats], epoch: int) -> None:
         """Keep this epoch's ``P`` as the previous one, and as the reference when it is the reference epoch."""
-        snapshot = {
+        snapshot = {}
+        for name, stats in all_stats.items():
             # P = S / Q is a tensor of its own (no copy needed on CPU); Q is a view of the state, which is zeroed in
-            # place for the next epoch: a copy.
-            name: {
+            # place for the next epoch: a copy. row_plogp(P) and mean_h P as _log_module computed them, if it did.
+            derived = self._derived.get(name, {})
+            snapshot[name] = {
                 "attention_mass": stats.attention_mass.detach().cpu(),
                 "query_count": stats.query_count.to("cpu", copy=True),
-                "row_plogp": self._plogp[name] if name in self._plogp else F.row_plogp(stats.attention_mass).cpu(),
+                "row_plogp": derived.get("row_plogp", None),
+                **derived,
             }
-            for name, stats in all_stats.items()
-        }
-        self._plogp.clear()
+            if snapshot[name]["row_plogp"] is None:
+                snapshot[name]["row_plogp"] = F.row_plogp(stats.attention_mass).cpu()
+        self._derived.clear()
         self._previous, self._previous_epoch = snapshot, epoch
         wanted = self.drift_reference_epoch
         if self._reference_epoch is None and (wanted is None or wanted == epoch):
@@ -867,7 +871,7 @@ class AttentionMonitor(Callback):
             sink_heads = F.sink_mass(stats.attention_sum, query_count, torch.tensor(sinks, device=mass.device))
             add("position/sink_mass", sink_heads.mean(), sink_heads)
         if not suffix:  # the combined view is the one _remember keeps
-            self._plogp[name] = plogp_heads.cpu()
+            self._derived[name] = {"row_plogp": plogp_heads.cpu(), "mean_mass": mass.cpu()}
         drifts: dict[int, tuple[Tensor, ...]] = {}
         for which, memory in (("prev", previous), ("ref", reference)):
             if memory is None:
@@ -880,7 +884,7 @@ class AttentionMonitor(Callback):
                 old_plogp = memory["row_plogp"].to(mass.device)
                 args = (query_count, old_count, self.min_support)
                 drifts[id(memory)] = (
-                    *F.attention_drift(mass, old_heads.mean(dim=0), *args),
+                    *F.attention_drift(mass, _snapshot_mean(memory).to(mass.device), *args),
                     *F.attention_drift(mass_heads, old_heads, *args, plogp_heads, old_plogp),
                 )
             js, frobenius, js_heads, frobenius_heads = drifts[id(memory)]
@@ -989,7 +993,7 @@ class AttentionMonitor(Callback):
                 True,
             )
             if reference is not None:
-                ref_mass = reference["attention_mass"][:, rows.cpu()][:, :, cols.cpu()].to(mass.device).mean(dim=0)
+                ref_mass = _snapshot_mean(reference)[rows.cpu()][:, cols.cpu()].to(mass.device)
                 draw(
                     f"{prefix}_drift_map/{layer}",
                     shown - ref_mass,
@@ -1078,23 +1082,24 @@ class AttentionMonitor(Callback):
         header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
         tables[f"{prefix}_lift_pairs/{layer}"] = table(header, rows, f"{needs}.")
         if reference is not None:
-            ref_mass = reference["attention_mass"].to(mass.device).mean(dim=0)
+            ref_mass = _snapshot_mean(reference).to(mass.device)
             ref_count = reference["query_count"].to(mass.device)
-            prev_js = None
-            if previous is not None:
-                prev_mass = previous["attention_mass"].to(mass.device).mean(dim=0)
-                prev_js = F.js_divergence(mass, prev_mass)
             moved = F.moved_tokens(mass, ref_mass, stats.query_count, ref_count, self.num_pairs, self.min_support)
+            prev_js = [""] * len(moved)
+            if previous is not None and moved:  # only the rows shown
+                shown = torch.tensor([a for a, _ in moved], device=mass.device)
+                prev_mass = _snapshot_mean(previous)[shown.cpu()].to(mass.device)
+                prev_js = F.js_divergence(mass[shown], prev_mass).tolist()
             rows = [
                 (
                     q_label(a),
                     js,
-                    float(prev_js[a]) if prev_js is not None else "",
+                    prev,
                     k_label(int(mass[a].argmax())),
                     k_label(int(ref_mass[a].argmax())),
                     int(stats.query_count[a]),
                 )
-                for a, js in moved
+                for (a, js), prev in zip(moved, prev_js, strict=True)
             ]
             header = (
                 "query token",
@@ -1134,6 +1139,19 @@ def _tensorboard_writer(trainer: Trainer) -> Any:
         if isinstance(logger, TensorBoardLogger):
             return logger.experiment
     return None
+
+
+def _snapshot_mean(memory: dict[str, Tensor]) -> Tensor:
+    """``mean_h P`` of a drift snapshot, ``(Vq, Vk)``: as that epoch computed it, or computed once (a snapshot from a
+    checkpoint, which leaves it out as derivable) and kept."""
+    if "mean_mass" not in memory:
+        memory["mean_mass"] = memory["attention_mass"].mean(dim=0)
+    return memory["mean_mass"]
+
+
+def _checkpointed(snapshots: dict[str, dict[str, Tensor]]) -> dict[str, dict[str, Tensor]]:
+    """Drift snapshots without what :func:`_snapshot_mean` derives again: checkpoints stay ``1 / H`` smaller."""
+    return {name: {k: v for k, v in memory.items() if k != "mean_mass"} for name, memory in snapshots.items()}
 
 
 def _add_image(writer: Any, tag: str, image: Any, step: int) -> None:
