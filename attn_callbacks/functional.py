@@ -466,7 +466,8 @@ def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int =
         Up to ``k`` tuples ``(a, b, A[a, b])`` with ``A > 0``, most one-way first.
     """
     size = matrix.shape[-1]
-    support = torch.minimum(pair_count, pair_count.T) >= min_support
+    seen = pair_count >= min_support
+    support = seen & seen.T  # a transposed read of bools, not of the int64 counts: several times faster on CPU
     # A > 0 iff P[a, b] > P[b, a]: only those cells are candidates, usually a small share of V².
     candidates = (support & (matrix > matrix.T)).reshape(-1).nonzero()[:, 0]  # ascending flat index
     forward = matrix.reshape(-1)[candidates]
