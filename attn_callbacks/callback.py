@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor, nn
+from torch.utils.tensorboard import SummaryWriter
 
 from attn_callbacks import functional as F
 from attn_callbacks import hf, render
@@ -1157,15 +1158,14 @@ def _checkpointed(snapshots: dict[str, dict[str, Tensor]]) -> dict[str, dict[str
 def _add_image(writer: Any, tag: str, image: Any, step: int) -> None:
     """``writer.add_image(tag, image, step, dataformats="HWC")`` for an ``(H, W, 3)`` uint8 array, without its float
     round trip and with faster PNG compression (:func:`render.png_bytes`); the same event a reader sees."""
-    file_writer = getattr(writer, "_get_file_writer", None)
-    if file_writer is None:  # not torch's (or tensorboardX's) SummaryWriter: its own add_image
+    if not isinstance(writer, SummaryWriter):  # tensorboardX's, say: other protobuf classes, so its own add_image
         writer.add_image(tag, image, step, dataformats="HWC")
         return
     height, width, channels = image.shape
     picture = Summary.Image(
         height=height, width=width, colorspace=channels, encoded_image_string=render.png_bytes(image)
     )
-    file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
+    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
 
 def _as_list(loaders: Any) -> list[Any]:

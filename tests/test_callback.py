@@ -922,3 +922,42 @@ def test_callback_shared_colour_scale_is_the_largest_value_drawn_so_far_and_chec
     assert per_epoch.state_dict()["color_limits"] == {}
     with pytest.raises(ValueError, match="`color_scale` to be 'epoch' or 'shared', but got 'fixed'"):
         AttentionMonitor(VOCAB, "input_ids", color_scale="fixed")
+
+
+def test_callback_images_are_the_events_add_image_writes_and_other_writers_get_add_image(tmp_path):
+    import numpy as np
+    from torch.utils.tensorboard import SummaryWriter
+
+    from attn_callbacks.callback import _add_image
+
+    image = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    for name, write in (
+        ("ours", lambda w: _add_image(w, "img", image, 3)),
+        ("stock", lambda w: w.add_image("img", image, 3, dataformats="HWC")),
+    ):
+        with SummaryWriter(tmp_path / name) as writer:
+            write(writer)
+    read = {}
+    for name in ("ours", "stock"):
+        events = EventAccumulator(str(tmp_path / name), size_guidance={IMAGES: 0})
+        events.Reload()
+        (event,) = events.Images("img")
+        read[name] = (
+            event.step,
+            event.width,
+            event.height,
+            np.asarray(Image.open(io.BytesIO(event.encoded_image_string))),
+        )
+    assert read["ours"][:3] == read["stock"][:3] == (3, 53, 37)
+    assert np.array_equal(read["ours"][3], image) and np.array_equal(read["stock"][3], image)
+
+    class OtherWriter:  # tensorboardX's SummaryWriter, say: its own protobuf classes
+        def __init__(self):
+            self.calls = []
+
+        def add_image(self, *args, **kwargs):
+            self.calls.append((args, kwargs))
+
+    other = OtherWriter()
+    _add_image(other, "img", image, 3)
+    assert other.calls == [(("img", image, 3), {"dataformats": "HWC"})]
