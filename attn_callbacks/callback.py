@@ -285,7 +285,8 @@ class AttentionMonitor(Callback):
         self._probe_capturing = False  # the current batch is the probe: copy its weights
         self._probe_only = False  # running probe_forward: copy weights, do not accumulate
         self._figures = render.FigureCache()  # each image tag's figure, redrawn with new data every epoch
-        self._ranks: dict[str, Tensor] = {}  # last PageRank per module (and stage): where the next one starts
+        # The last PageRank per (module, stage prefix, dataloader suffix): where the next one starts.
+        self._ranks: dict[tuple[str, str, str], Tensor] = {}
         # This epoch's row_plogp(P) and mean_h P per module (on CPU), for its drift snapshot.
         self._derived: dict[str, dict[str, Tensor]] = {}
 
@@ -506,6 +507,7 @@ class AttentionMonitor(Callback):
             self._reset_sums()
             return
         step = trainer.global_step
+        self._derived.clear()  # nothing left from an epoch that failed before _remember
         for name, stats in all_stats.items():
             self._log_module(pl_module, name, stats, writer, step, drift_epoch)
             if loaders > 1:
@@ -834,8 +836,8 @@ class AttentionMonitor(Callback):
         square = query_stream == key_stream
         query_count = stats.query_count
         mass_heads = stats.attention_mass  # (H, Vq, Vk)
-        mass = mass_heads.mean(dim=0)  # P̄ = mean_h S[h] / Q = mean_h P[h]
-        sum_mean = stats.attention_sum.mean(dim=0)  # (Vq, Vk)
+        mass = _head_mean(mass_heads)  # P̄ = mean_h S[h] / Q = mean_h P[h]
+        sum_mean = _head_mean(stats.attention_sum)  # (Vq, Vk)
         previous = self._previous.get(name) if drift else None
         reference = self._reference.get(name) if drift else None
         if previous is not None and tuple(previous["attention_mass"].shape) != tuple(mass_heads.shape):
@@ -871,7 +873,7 @@ class AttentionMonitor(Callback):
                 sinks = [self._tracked[key_stream].tolist().index(i) for i in sinks]
             sink_heads = F.sink_mass(stats.attention_sum, query_count, torch.tensor(sinks, device=mass.device))
             add("position/sink_mass", sink_heads.mean(), sink_heads)
-        if not suffix:  # the combined view is the one _remember keeps
+        if drift and not suffix:  # the combined view of a drift epoch is the one _remember keeps
             self._derived[name] = {"row_plogp": plogp_heads.cpu(), "mean_mass": mass.cpu()}
         drifts: dict[int, tuple[Tensor, ...]] = {}
         for which, memory in (("prev", previous), ("ref", reference)):
@@ -1003,7 +1005,7 @@ class AttentionMonitor(Callback):
                     True,
                 )
         if self.num_pairs:
-            texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix))
+            texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix, suffix))
         for tag, image in images.items():
             _add_image(writer, tag + suffix, image, step)
         for tag, text in texts.items():
@@ -1052,6 +1054,7 @@ class AttentionMonitor(Callback):
         previous: dict[str, Tensor] | None,
         reference: dict[str, Tensor] | None,
         prefix: str,
+        suffix: str,
     ) -> dict[str, str]:
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
@@ -1114,10 +1117,10 @@ class AttentionMonitor(Callback):
         degree = F.in_degree(sum_mean, stats.query_count)
         if square:
             # The sums give P's ranks (rows are normalised); last epoch's ranks are a close first guess.
-            start = self._ranks.get(name + prefix)
+            start = self._ranks.get((name, prefix, suffix))
             start = start if start is not None and start.shape == degree.shape else None  # a new model: no guess
             rank = F.pagerank(sum_mean, start=start)
-            self._ranks[name + prefix] = rank
+            self._ranks[(name, prefix, suffix)] = rank
             order = F.top_tokens(rank * (degree > 0), self.num_pairs).tolist()
             rows = [(k_label(b), float(rank[b]), float(degree[b]), int(stats.query_count[b])) for b in order]
             header = ("token", "PageRank", "in-degree (share of attention received)", "Q")
@@ -1146,8 +1149,13 @@ def _snapshot_mean(memory: dict[str, Tensor]) -> Tensor:
     """``mean_h P`` of a drift snapshot, ``(Vq, Vk)``: as that epoch computed it, or computed once (a snapshot from a
     checkpoint, which leaves it out as derivable) and kept."""
     if "mean_mass" not in memory:
-        memory["mean_mass"] = memory["attention_mass"].mean(dim=0)
+        memory["mean_mass"] = _head_mean(memory["attention_mass"])
     return memory["mean_mass"]
+
+
+def _head_mean(heads: Tensor) -> Tensor:
+    """``mean_h`` of ``(H, ...)``: a view of the one head when ``H = 1`` (``per_head=False``), not a second copy."""
+    return heads[0] if heads.shape[0] == 1 else heads.mean(dim=0)
 
 
 def _checkpointed(snapshots: dict[str, dict[str, Tensor]]) -> dict[str, dict[str, Tensor]]:

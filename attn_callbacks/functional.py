@@ -605,8 +605,13 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor, plogp: Tensor | None =
             attention_sum.new_zeros(attention_sum.shape[:-2]),
         )
     else:
+        if plogp.shape != attention_sum.shape[:-1]:
+            raise ValueError(
+                f"Expected argument `plogp` to have shape {tuple(attention_sum.shape[:-1])} (the rows of "
+                f"`attention_sum`), but got {tuple(plogp.shape)}"
+            )
         # Row a is r_a p_a with p_a summing to 1: Σ_b S log S = r_a (log r_a + Σ_b p log p).
-        rows = attention_sum.sum(dim=-1).double()  # (..., Vq)
+        rows = attention_sum.sum(dim=-1, dtype=torch.float64)  # (..., Vq)
         s_log_s = (rows * (rows.clamp(min=torch.finfo(torch.float64).tiny).log() + plogp.double())).sum(dim=-1)
     exponent = safe_divide(s_log_s.reshape(-1) - (flat @ log_uniform).double(), flat.sum(dim=-1).double())
     return torch.exp(exponent.reshape(attention_sum.shape[:-2])).to(attention_sum.dtype)
@@ -837,15 +842,17 @@ def pagerank(
     weights = matrix.double()
     out = weights.sum(dim=1)
     # π T = (π / out) @ P over the rows with outgoing attention, plus the mass of the others spread uniformly: the
-    # matrix is read as it is, never normalised into a second V × V copy.
+    # (float64) matrix is read as it is, not normalised into a second V × V copy.
     inverse_out = torch.where(out > 0, 1 / torch.where(out > 0, out, 1), 0)
-    dangling = out == 0
+    if not bool(torch.isfinite(inverse_out).all()):  # a subnormal row sum: normalise by division instead
+        weights, inverse_out = safe_divide(weights, out[:, None]), (out > 0).double()
+    dangling = (out == 0).double()  # (V,): a product, not a boolean index (a device sync per iteration on GPU)
     rank = torch.full((size,), 1.0 / size, dtype=torch.float64, device=matrix.device)
     if start is not None:
         rank = start.to(rank).clamp(min=0)
         rank = rank / rank.sum()
     for _ in range(max_iter):
-        spread = rank[dangling].sum() / size
+        spread = (rank @ dangling) / size
         new = (1 - damping) / size + damping * ((rank * inverse_out) @ weights + spread)
         done = float((new - rank).abs().sum()) < tol
         rank = new

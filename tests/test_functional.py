@@ -671,6 +671,9 @@ def test_pagerank_of_sums_equals_pagerank_of_mass_and_does_not_depend_on_the_sta
     for bad in (torch.zeros(6), torch.ones(5), torch.full((6,), float("nan"))):
         with pytest.raises(ValueError, match="start"):
             F.pagerank(sums, start=bad)
+    tiny = sums.clone()
+    tiny[1] *= 1e-310  # a subnormal row sum, whose reciprocal overflows: normalised by division instead
+    torch.testing.assert_close(F.pagerank(tiny), expected, rtol=0, atol=1e-9)
 
 
 def test_pagerank_docstring_example_and_uniform_cases():
@@ -769,3 +772,10 @@ def test_epoch_statistics_by_row_blocks_equal_the_whole_matrix_computation(monke
     for name, value in whole.items():
         torch.testing.assert_close(blocked[name], value, rtol=1e-6, atol=1e-7, msg=name)
     assert float(F.attention_drift(P, P, Q, Q, 1)[0].abs().max()) == 0.0  # an epoch against itself: exactly 0
+
+
+def test_mean_lift_refuses_a_plogp_that_is_not_one_value_per_row():
+    sums, uniform = torch.rand(2, 3, 3), torch.rand(3, 3)
+    torch.testing.assert_close(F.mean_lift(sums, uniform, F.row_plogp(sums)), F.mean_lift(sums, uniform))
+    with pytest.raises(ValueError, match=r"`plogp` to have shape \(2, 3\).*\(3,\)"):
+        F.mean_lift(sums, uniform, F.row_plogp(sums.mean(dim=0)))
