@@ -771,14 +771,12 @@ class AttentionMonitor(Callback):
         for name, stats in all_stats.items():
             # P = S / Q is a tensor of its own (no copy needed on CPU); Q is a view of the state, which is zeroed in
             # place for the next epoch: a copy. row_plogp(P) and mean_h P as _log_module computed them, if it did.
-            derived = self._derived.get(name, {})
             snapshot[name] = {
                 "attention_mass": stats.attention_mass.detach().cpu(),
                 "query_count": stats.query_count.to("cpu", copy=True),
-                "row_plogp": derived.get("row_plogp", None),
-                **derived,
+                **self._derived.get(name, {}),
             }
-            if snapshot[name]["row_plogp"] is None:
+            if "row_plogp" not in snapshot[name]:
                 snapshot[name]["row_plogp"] = F.row_plogp(stats.attention_mass).cpu()
         self._derived.clear()
         self._previous, self._previous_epoch = snapshot, epoch
@@ -1091,9 +1089,9 @@ class AttentionMonitor(Callback):
             moved = F.moved_tokens(mass, ref_mass, stats.query_count, ref_count, self.num_pairs, self.min_support)
             prev_js = [""] * len(moved)
             if previous is not None and moved:  # only the rows shown
-                shown = torch.tensor([a for a, _ in moved], device=mass.device)
-                prev_mass = _snapshot_mean(previous)[shown.cpu()].to(mass.device)
-                prev_js = F.js_divergence(mass[shown], prev_mass).tolist()
+                shown = torch.tensor([a for a, _ in moved])  # the snapshot is on CPU
+                prev_mass = _snapshot_mean(previous)[shown].to(mass.device)
+                prev_js = F.js_divergence(mass[shown.to(mass.device)], prev_mass).tolist()
             rows = [
                 (
                     q_label(a),
