@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -285,6 +287,11 @@ class AttentionMonitor(Callback):
         self._probe_capturing = False  # the current batch is the probe: copy its weights
         self._probe_only = False  # running probe_forward: copy weights, do not accumulate
         self._figures = render.FigureCache()  # each image tag's figure, redrawn with new data every epoch
+        # During an epoch end only: one worker thread that PNG-encodes and writes the images (and writes the texts,
+        # so that one thread uses the writer) while this one computes the next statistics and draws the next images.
+        # Drawing stays here: matplotlib holds the GIL, which would stall this thread's many small tensor ops.
+        self._painter: ThreadPoolExecutor | None = None
+        self._painted: list[Future] = []
         # The last PageRank per (module, stage prefix, dataloader suffix): where the next one starts.
         self._ranks: dict[tuple[str, str, str], Tensor] = {}
         # This epoch's row_plogp(P) and mean_h P per module (on CPU), for its drift snapshot.
@@ -508,12 +515,17 @@ class AttentionMonitor(Callback):
             return
         step = trainer.global_step
         self._derived.clear()  # nothing left from an epoch that failed before _remember
-        for name, stats in all_stats.items():
-            self._log_module(pl_module, name, stats, writer, step, drift_epoch)
-            if loaders > 1:
-                for idx in range(loaders):
-                    suffix = f"/dataloader_idx_{idx}"
-                    self._log_module(pl_module, name, per_loader[(name, idx)], writer, step, False, suffix)
+        finished = False
+        try:
+            for name, stats in all_stats.items():
+                self._log_module(pl_module, name, stats, writer, step, drift_epoch)
+                if loaders > 1:
+                    for idx in range(loaders):
+                        suffix = f"/dataloader_idx_{idx}"
+                        self._log_module(pl_module, name, per_loader[(name, idx)], writer, step, False, suffix)
+            finished = True
+        finally:
+            self._finish_painting(raise_errors=finished)
         if drift_epoch:
             if self.export is not None:
                 # trainer.log_dir is a broadcast under DDP: every rank must ask, only rank 0 writes.
@@ -936,7 +948,7 @@ class AttentionMonitor(Callback):
     ) -> None:
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
-        images: dict[str, Any] = {}
+        images: dict[str, Callable[[], Any]] = {}  # tag -> what draws its (H, W, 3) picture
         texts: dict[str, str] = {}
         if not suffix:
             self._probe_images(images, name, layer)
@@ -949,7 +961,8 @@ class AttentionMonitor(Callback):
 
             def draw(tag: str, shown: Tensor, title: str, colour: str, diverging: bool = False) -> None:
                 matrix = shown.float().cpu().numpy()
-                images[tag] = self._figures.heatmap(
+                images[tag] = functools.partial(
+                    self._figures.heatmap,
                     tag + suffix,
                     matrix,
                     row_labels,
@@ -966,7 +979,8 @@ class AttentionMonitor(Callback):
             if self.per_head:
                 tag = f"{prefix}_mass_heads/{layer}"
                 matrices = mass_heads[:, rows][:, :, cols].float().cpu().numpy()
-                images[tag] = self._figures.head_grid(
+                images[tag] = functools.partial(
+                    self._figures.head_grid,
                     tag + suffix,
                     matrices,
                     row_labels,
@@ -1004,10 +1018,28 @@ class AttentionMonitor(Callback):
                 )
         if self.num_pairs:
             texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix, suffix))
-        for tag, image in images.items():
-            _add_image(writer, tag + suffix, image, step)
+        for tag, paint in images.items():
+            self._paint(functools.partial(_add_image, writer, tag + suffix, paint(), step))
         for tag, text in texts.items():
-            writer.add_text(tag + suffix, text, step)
+            self._paint(functools.partial(writer.add_text, tag + suffix, text, step))
+
+    def _paint(self, job: Callable[[], Any]) -> None:
+        """Run ``job`` (encode and write one image, or write a text) on the worker thread, after those before it."""
+        if self._painter is None:
+            self._painter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attn_callbacks-images")
+        self._painted.append(self._painter.submit(job))
+
+    def _finish_painting(self, raise_errors: bool = True) -> None:
+        """Wait for every job of this epoch end and stop the worker; re-raise the first job's error (jobs not yet
+        started are dropped instead when ``raise_errors`` is False: the epoch end already failed)."""
+        painter, jobs = self._painter, self._painted
+        self._painter, self._painted = None, []
+        if painter is None:
+            return
+        painter.shutdown(wait=True, cancel_futures=not raise_errors)
+        if raise_errors:
+            for job in jobs:
+                job.result()
 
     def _color_limit(self, tag: str, values: Any) -> float | None:
         """Top of an image's colour scale: its own largest value (``color_scale="epoch"``), or the largest any epoch
@@ -1018,7 +1050,7 @@ class AttentionMonitor(Callback):
         self._color_limits[tag] = limit
         return limit
 
-    def _probe_images(self, images: dict[str, Any], name: str, layer: str) -> None:
+    def _probe_images(self, images: dict[str, Callable[[], Any]], name: str, layer: str) -> None:
         prefix = self._stage_prefix
         weights = self._probe_weights.get(name)
         if weights is None or self._probe_ids is None:
@@ -1031,7 +1063,8 @@ class AttentionMonitor(Callback):
             per_head = weights[sample][:, q_pos][:, :, k_pos]  # (H, valid Lq, valid Lk)
             panels = torch.cat([per_head.mean(dim=0, keepdim=True), per_head]).numpy()
             tag = f"{prefix}_probe/{layer}/sample_{sample}"
-            images[tag] = self._figures.head_grid(
+            images[tag] = functools.partial(
+                self._figures.head_grid,
                 tag,
                 panels,
                 self._token_label(q_ids[q_pos].tolist(), query_stream),

@@ -423,13 +423,14 @@ def asymmetry_index(matrix: Tensor) -> Tensor:
     """
     if matrix.shape[-1] != matrix.shape[-2]:
         raise ValueError(f"Expected a square matrix for the asymmetry index, but got shape {tuple(matrix.shape)}")
-    blocks, zero = _row_blocks(matrix), matrix.new_zeros(matrix.shape[:-2])
 
-    def cross_block(r: slice) -> Tensor:  # rows r of P against columns r of P, transposed
-        return (matrix[..., r, :] * matrix[..., :, r].transpose(-1, -2)).sum(dim=(-1, -2))
+    def block_sums(r: slice) -> Tensor:  # <P, Pᵀ> and <P, P> over rows r, (2, ...): the row block is read once
+        rows = matrix[..., r, :]
+        return torch.stack(
+            [(rows * matrix[..., :, r].transpose(-1, -2)).sum(dim=(-1, -2)), rows.square().sum(dim=(-1, -2))]
+        )
 
-    cross = _sum_by_blocks(cross_block, blocks, zero)
-    norm = _sum_by_blocks(lambda r: matrix[..., r, :].square().sum(dim=(-1, -2)), blocks, zero)
+    cross, norm = _sum_by_blocks(block_sums, _row_blocks(matrix), matrix.new_zeros(2, *matrix.shape[:-2]))
     index = (1 - safe_divide(cross, norm)).clamp(min=0).sqrt() * (norm > 0)
     return index.to(matrix.dtype)
 
@@ -693,28 +694,32 @@ def attention_drift(
         ``(js, frobenius)``, each ``(...)``.
     """
     supported = _supported_rows(current_count, reference_count, min_support)
-    # JS only where it has weight (often a small share of the vocabulary), gathered a block of rows at a time.
-    rows = supported.nonzero()[:, 0]
-    weights = current_count[rows].to(current.dtype)
-    blocks, zero = _row_blocks(current), current.new_zeros(current.shape[:-2])
-    step = _rows_per_block(current)
+    weights = torch.where(supported, current_count, 0).to(current.dtype)  # (Vq,): 0 for rows that do not count
+    blocks, batch = _row_blocks(current), current.shape[:-2]
 
-    def js_block(start: int) -> Tensor:
-        block = rows[start : start + step]
+    def js_block(index: Any) -> Tensor:  # Σ_a w[a] JS(P_t[a], P_s[a]) over these rows, (...)
         js_rows = js_divergence(
-            current[..., block, :],
-            reference[..., block, :].to(current.dtype),
-            None if current_plogp is None else current_plogp[..., block],
-            None if reference_plogp is None else reference_plogp[..., block].to(current.dtype),
+            current[..., index, :],
+            reference[..., index, :].to(current.dtype),
+            None if current_plogp is None else current_plogp[..., index],
+            None if reference_plogp is None else reference_plogp[..., index].to(current.dtype),
         )
-        return (js_rows * weights[start : start + step]).sum(dim=-1)
+        return (js_rows * weights[index]).sum(dim=-1)
 
-    def change_block(r: slice) -> Tensor:
-        return (current[..., r, :] - reference[..., r, :]).square().sum(dim=(-1, -2))
+    def change_block(r: slice) -> Tensor:  # ‖P_t - P_s‖² and ‖P_s‖² over these rows, (2, ...)
+        now, then = current[..., r, :], reference[..., r, :]
+        return torch.stack([(now - then).square().sum(dim=(-1, -2)), then.square().sum(dim=(-1, -2))])
 
-    js = safe_divide(_sum_by_blocks(js_block, range(0, len(rows), step), zero), weights.sum().double())
-    change = _sum_by_blocks(change_block, blocks, zero)
-    norm = _sum_by_blocks(lambda r: reference[..., r, :].square().sum(dim=(-1, -2)), blocks, zero)
+    if 2 * int(supported.sum()) >= supported.numel():  # most rows count: one pass, each block read in place once
+        js_sum, change, norm = _sum_by_blocks(
+            lambda r: torch.cat([js_block(r)[None], change_block(r)]), blocks, current.new_zeros(3, *batch)
+        )
+    else:  # JS only where it has weight (often a small share of the vocabulary), gathered a block of rows at a time
+        rows, step = supported.nonzero()[:, 0], _rows_per_block(current)
+        pieces = [rows[start : start + step] for start in range(0, len(rows), step)]
+        js_sum = _sum_by_blocks(js_block, pieces, current.new_zeros(batch))
+        change, norm = _sum_by_blocks(change_block, blocks, current.new_zeros(2, *batch))
+    js = safe_divide(js_sum, weights.sum().double())
     return js.to(current.dtype), safe_divide(change.sqrt(), norm.sqrt()).to(current.dtype)
 
 

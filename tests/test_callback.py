@@ -961,3 +961,38 @@ def test_callback_images_are_the_events_add_image_writes_and_other_writers_get_a
     other = OtherWriter()
     _add_image(other, "img", image, 3)
     assert other.calls == [(("img", image, 3), {"dataformats": "HWC"})]
+
+
+def test_callback_images_are_written_by_a_worker_thread_and_its_errors_reach_the_caller(tmp_path, monkeypatch):
+    import threading
+
+    import attn_callbacks.callback as callback_module
+
+    written_by = []
+    original = callback_module._add_image
+
+    def spy(*args):
+        written_by.append(threading.current_thread().name)
+        return original(*args)
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("attn_callbacks-images")]
+
+    monkeypatch.setattr(callback_module, "_add_image", spy)
+    model = TinyEncoder()
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids")], logger=logger).validate(model, loaders()[1])
+    events = EventAccumulator(logger.log_dir, size_guidance={IMAGES: 0})
+    events.Reload()
+    # Every picture was written, each by the worker, and the worker is gone once the epoch end returns.
+    assert len(written_by) == len(events.Tags()["images"]) > 0
+    assert all(name.startswith("attn_callbacks-images") for name in written_by)
+    assert workers() == []
+
+    def broken(*args):
+        raise RuntimeError("writing failed")
+
+    monkeypatch.setattr(callback_module, "_add_image", broken)
+    with pytest.raises(RuntimeError, match="writing failed"):
+        trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids")]).validate(model, loaders()[1])
+    assert no_hooks(model) and workers() == []
