@@ -948,7 +948,7 @@ class AttentionMonitor(Callback):
     ) -> None:
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
-        images: dict[str, Callable[[], Any]] = {}  # tag -> what draws its (H, W, 3) picture
+        images: dict[str, Any] = {}
         texts: dict[str, str] = {}
         if not suffix:
             self._probe_images(images, name, layer)
@@ -961,8 +961,7 @@ class AttentionMonitor(Callback):
 
             def draw(tag: str, shown: Tensor, title: str, colour: str, diverging: bool = False) -> None:
                 matrix = shown.float().cpu().numpy()
-                images[tag] = functools.partial(
-                    self._figures.heatmap,
+                images[tag] = self._figures.heatmap(
                     tag + suffix,
                     matrix,
                     row_labels,
@@ -979,8 +978,7 @@ class AttentionMonitor(Callback):
             if self.per_head:
                 tag = f"{prefix}_mass_heads/{layer}"
                 matrices = mass_heads[:, rows][:, :, cols].float().cpu().numpy()
-                images[tag] = functools.partial(
-                    self._figures.head_grid,
+                images[tag] = self._figures.head_grid(
                     tag + suffix,
                     matrices,
                     row_labels,
@@ -1016,10 +1014,10 @@ class AttentionMonitor(Callback):
                     "P_t - P_ref",
                     True,
                 )
+        for tag, image in images.items():  # encoded and written while the tables are computed
+            self._paint(functools.partial(_add_image, writer, tag + suffix, image, step))
         if self.num_pairs:
             texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix, suffix))
-        for tag, paint in images.items():
-            self._paint(functools.partial(_add_image, writer, tag + suffix, paint(), step))
         for tag, text in texts.items():
             self._paint(functools.partial(writer.add_text, tag + suffix, text, step))
 
@@ -1050,7 +1048,7 @@ class AttentionMonitor(Callback):
         self._color_limits[tag] = limit
         return limit
 
-    def _probe_images(self, images: dict[str, Callable[[], Any]], name: str, layer: str) -> None:
+    def _probe_images(self, images: dict[str, Any], name: str, layer: str) -> None:
         prefix = self._stage_prefix
         weights = self._probe_weights.get(name)
         if weights is None or self._probe_ids is None:
@@ -1063,8 +1061,7 @@ class AttentionMonitor(Callback):
             per_head = weights[sample][:, q_pos][:, :, k_pos]  # (H, valid Lq, valid Lk)
             panels = torch.cat([per_head.mean(dim=0, keepdim=True), per_head]).numpy()
             tag = f"{prefix}_probe/{layer}/sample_{sample}"
-            images[tag] = functools.partial(
-                self._figures.head_grid,
+            images[tag] = self._figures.head_grid(
                 tag,
                 panels,
                 self._token_label(q_ids[q_pos].tolist(), query_stream),

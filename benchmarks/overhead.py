@@ -16,12 +16,16 @@ Configurations, interleaved round by round so that machine noise hits them alike
 Target: AttentionMonitor / model only <= 1.20 on CPU (<= 1.05 on GPU). "epoch end" is the callback's once-per-epoch
 work (sums to metrics, images, tables); "added ms/batch" is the rest, spread over the batches. The epoch end is paid
 once per epoch whatever its length, so "x without epoch end" (each round's epoch less its own epoch end, over the
-same round's model-only epoch) is where the ratio goes as validation epochs grow.
+same round's model-only epoch) is where the ratio goes as validation epochs grow, and "1.20x from" the epoch length
+at which the medians would reach the target: ``N`` batches with ``(N (m + a) + e) / (N m) <= 1.20`` for ``m`` the
+model-only time per batch, ``a`` the added time per batch and ``e`` the epoch end (derived from the medians, not
+timed).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import time
@@ -73,6 +77,16 @@ def naive_loop(sums: dict[str, torch.Tensor], vocab: int):
     return consume
 
 
+def batches_for_target(model: float, added: float, end: float, target: float = 1.20) -> str:
+    """The fewest batches per epoch with ``(N (model + added) + end) / (N model) <= target`` (seconds per batch,
+    seconds per epoch end), or "never" when the per-batch cost alone is over the target."""
+    room = (target - 1) * model - added  # seconds per batch left to pay for the epoch end
+    if room <= 0:
+        return "never"
+    batches = max(1, math.ceil(end / room))
+    return f"{batches} batches"
+
+
 class TimedMonitor(AttentionMonitor):
     """The monitor, with the wall time of its epoch-end work (compute, metrics, images, tables) recorded."""
 
@@ -100,7 +114,7 @@ def main() -> None:
     )
     print(
         f"{'ids':8} {'configuration':32} {'epoch s':>8} {'x model only (min/med/max)':>27} {'epoch end s':>11} "
-        f"{'added ms/batch':>14} {'x without epoch end':>22}"
+        f"{'added ms/batch':>14} {'x without epoch end':>22} {'1.20x from':>16}"
     )
     for distribution in ("zipf", "uniform"):
         batches = token_ids(args.batches, distribution)
@@ -128,7 +142,7 @@ def main() -> None:
             added = (statistics.median(values) - base - end) / args.batches * 1e3
             print(
                 f"{distribution:8} {name:32} {statistics.median(values):8.2f} {summary(ratios):>27} {end:11.2f} "
-                f"{added:14.1f} {summary(loop):>22}"
+                f"{added:14.1f} {summary(loop):>22} {batches_for_target(base / args.batches, added / 1e3, end):>16}"
             )
     naive_batches = token_ids(2, "zipf")
     base = validate(model, naive_batches, [])
