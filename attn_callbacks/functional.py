@@ -348,6 +348,21 @@ def _row_blocks(matrix: Tensor) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
+def _square_tiles(matrix: Tensor) -> list[tuple[slice, slice]]:
+    """Tiles ``(rows, cols)`` on or above the diagonal of square ``(..., V, V)``, each of about half
+    ``_ROW_BLOCK_BYTES`` across all leading indices; one tile for a small matrix or a GPU tensor. A transposed read
+    of a tile stays in cache, where a transposed block of whole columns misses it on every element."""
+    size = matrix.shape[-1]
+    cell_bytes = max(matrix.numel() // max(size * size, 1), 1) * matrix.element_size()  # one cell of every head
+    step = size if matrix.is_cuda else max(1, math.isqrt(_ROW_BLOCK_BYTES // 2 // cell_bytes))
+    if step >= size:
+        return [(slice(None), slice(None))]
+    starts = range(0, size, step)
+    return [
+        (slice(a, min(a + step, size)), slice(b, min(b + step, size))) for i, a in enumerate(starts) for b in starts[i:]
+    ]
+
+
 def _sum_by_blocks(fn: Callable[[Any], Tensor], blocks: Iterable[Any], empty: Tensor) -> Tensor:
     """``Σ_blocks fn(block)``, the partial sums added in float64; ``empty`` (zeros of the result's shape) when there
     is no block."""
@@ -424,13 +439,16 @@ def asymmetry_index(matrix: Tensor) -> Tensor:
     if matrix.shape[-1] != matrix.shape[-2]:
         raise ValueError(f"Expected a square matrix for the asymmetry index, but got shape {tuple(matrix.shape)}")
 
-    def block_sums(r: slice) -> Tensor:  # <P, Pᵀ> and <P, P> over rows r, (2, ...): the row block is read once
-        rows = matrix[..., r, :]
-        return torch.stack(
-            [(rows * matrix[..., :, r].transpose(-1, -2)).sum(dim=(-1, -2)), rows.square().sum(dim=(-1, -2))]
-        )
+    def tile_sums(tile: tuple[slice, slice]) -> Tensor:  # <P, Pᵀ> and <P, P> over tiles (r, c) and (c, r), (2, ...)
+        r, c = tile
+        upper, lower = matrix[..., r, c], matrix[..., c, r]
+        cross = (upper * lower.transpose(-1, -2)).sum(dim=(-1, -2))
+        if r == c:  # a diagonal tile
+            return torch.stack([cross, upper.square().sum(dim=(-1, -2))])
+        # Tile (c, r) pairs the same cells the other way round: the same products.
+        return torch.stack([2 * cross, upper.square().sum(dim=(-1, -2)) + lower.square().sum(dim=(-1, -2))])
 
-    cross, norm = _sum_by_blocks(block_sums, _row_blocks(matrix), matrix.new_zeros(2, *matrix.shape[:-2]))
+    cross, norm = _sum_by_blocks(tile_sums, _square_tiles(matrix), matrix.new_zeros(2, *matrix.shape[:-2]))
     index = (1 - safe_divide(cross, norm)).clamp(min=0).sqrt() * (norm > 0)
     return index.to(matrix.dtype)
 

@@ -768,6 +768,7 @@ def test_epoch_statistics_by_row_blocks_equal_the_whole_matrix_computation(monke
     whole = statistics()
     monkeypatch.setattr(F, "_ROW_BLOCK_BYTES", 3 * 11 * 4 * 2)  # two rows (of all heads) per block
     assert len(F._row_blocks(P)) == 6
+    assert len(F._square_tiles(P)) == 10  # tiles of 3 x 3 cells (and ragged edges) on or above the diagonal
     blocked = statistics()
     for name, value in whole.items():
         torch.testing.assert_close(blocked[name], value, rtol=1e-6, atol=1e-7, msg=name)
