@@ -19,7 +19,8 @@ once per epoch whatever its length, so "x without epoch end" (each round's epoch
 same round's model-only epoch) is where the ratio goes as validation epochs grow, and "1.20x from" the epoch length
 at which the medians would reach the target: ``N`` batches with ``(N (m + a) + e) / (N m) <= 1.20`` for ``m`` the
 model-only time per batch, ``a`` the added time per batch and ``e`` the epoch end (derived from the medians, not
-timed).
+timed). Two tables: wall clock (the target's measure) and CPU time of every thread of the process, which leaves out
+the time a shared virtual machine's host takes away (steal time) and so varies less between runs there.
 """
 
 from __future__ import annotations
@@ -84,18 +85,19 @@ def batches_for_target(model: float, added: float, end: float, target: float = 1
     if room <= 0:
         return "never"
     batches = max(1, math.ceil(end / room))
-    return f"{batches} batches"
+    return f"{batches} batch" + ("es" if batches > 1 else "")
 
 
 class TimedMonitor(AttentionMonitor):
-    """The monitor, with the wall time of its epoch-end work (compute, metrics, images, tables) recorded."""
+    """The monitor, with the wall and CPU time of its epoch-end work (compute, metrics, images, tables) recorded."""
 
-    epoch_end: list[float]
+    epoch_end: list[tuple[float, float]]
 
     def on_validation_epoch_end(self, trainer, pl_module):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         super().on_validation_epoch_end(trainer, pl_module)
-        self.epoch_end = [*getattr(self, "epoch_end", []), time.perf_counter() - start]
+        timing = (time.perf_counter() - start, time.process_time() - cpu)
+        self.epoch_end = [*getattr(self, "epoch_end", []), timing]
 
 
 def main() -> None:
@@ -112,10 +114,11 @@ def main() -> None:
         f"length {LENGTH}, vocabulary {VOCAB} tracked to 2048 ids + <other>, {args.batches} batches per "
         f"epoch; torch {torch.__version__}, {device}, {platform.processor() or platform.machine()}"
     )
-    print(
+    header = (
         f"{'ids':8} {'configuration':32} {'epoch s':>8} {'x model only (min/med/max)':>27} {'epoch end s':>11} "
         f"{'added ms/batch':>14} {'x without epoch end':>22} {'1.20x from':>16}"
     )
+    tables: dict[str, list[str]] = {"wall clock": [header], "CPU time (steal time left out)": [header]}
     for distribution in ("zipf", "uniform"):
         batches = token_ids(args.batches, distribution)
         monitors = {
@@ -129,24 +132,30 @@ def main() -> None:
             monitor.epoch_end = []
         configs = {"model only": list, "floor (read weights once)": lambda: [WeightsReader(floor)]}
         configs.update({name: (lambda m=m: [m]) for name, m in monitors.items()})
-        times: dict[str, list[float]] = {name: [] for name in configs}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
         for _ in range(args.rounds):  # interleaved, so that machine noise hits every configuration alike
             for name, callbacks in configs.items():
                 times[name].append(validate(model, batches, callbacks()))
-        base = statistics.median(times["model only"])
-        for name, values in times.items():
-            ratios = [t / b for t, b in zip(values, times["model only"], strict=True)]
-            ends = monitors[name].epoch_end if name in monitors else [0.0] * len(values)
-            loop = [(t - e) / b for t, e, b in zip(values, ends, times["model only"], strict=True)]
-            end = statistics.median(ends)
-            added = (statistics.median(values) - base - end) / args.batches * 1e3
-            print(
-                f"{distribution:8} {name:32} {statistics.median(values):8.2f} {summary(ratios):>27} {end:11.2f} "
-                f"{added:14.1f} {summary(loop):>22} {batches_for_target(base / args.batches, added / 1e3, end):>16}"
-            )
+        for clock, lines in enumerate(tables.values()):
+            models = [timing[clock] for timing in times["model only"]]
+            base = statistics.median(models)
+            for name, timings in times.items():
+                values = [timing[clock] for timing in timings]
+                ratios = [t / b for t, b in zip(values, models, strict=True)]
+                ends = [e[clock] for e in monitors[name].epoch_end] if name in monitors else [0.0] * len(values)
+                loop = [(t - e) / b for t, e, b in zip(values, ends, models, strict=True)]
+                end = statistics.median(ends)
+                added = (statistics.median(values) - base - end) / args.batches * 1e3
+                target = batches_for_target(base / args.batches, added / 1e3, end) if name in monitors else "-"
+                lines.append(
+                    f"{distribution:8} {name:32} {statistics.median(values):8.2f} {summary(ratios):>27} {end:11.2f} "
+                    f"{added:14.1f} {summary(loop):>22} {target:>16}"
+                )
+    for title, lines in tables.items():
+        print(f"\n{title}:", *lines, sep="\n")
     naive_batches = token_ids(2, "zipf")
-    base = validate(model, naive_batches, [])
-    naive = validate(model, naive_batches, [WeightsReader(naive_loop({}, VOCAB))])
+    base, _ = validate(model, naive_batches, [])
+    naive, _ = validate(model, naive_batches, [WeightsReader(naive_loop({}, VOCAB))])
     print(
         f"naive seeds/000 loop (full {VOCAB}^2 per head, 2 batches): {naive:.1f} s vs {base:.1f} s for the model "
         f"alone, {naive / base:.1f}x; {(naive - base) / 2:.2f} s added per batch"
