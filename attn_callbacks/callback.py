@@ -970,6 +970,7 @@ class AttentionMonitor(Callback):
                     colour,
                     diverging,
                     self._color_limit(tag + suffix, matrix),
+                    alpha=True,  # the writer thread drops it: a plain copy here
                 )
 
             # Maps are drawn from the shown block only: differences of whole V × V matrices would be wasted work.
@@ -986,6 +987,7 @@ class AttentionMonitor(Callback):
                     f"{layer}: attention mass P per head",
                     "P[query, key]",
                     vmax=self._color_limit(tag + suffix, matrices),
+                    alpha=True,
                 )
             if square:  # rows == cols, so the block of Pᵀ is the transposed block
                 draw(
@@ -1014,10 +1016,10 @@ class AttentionMonitor(Callback):
                     "P_t - P_ref",
                     True,
                 )
-        for tag, image in images.items():  # encoded and written while the tables are computed
-            self._paint(functools.partial(_add_image, writer, tag + suffix, image, step))
         if self.num_pairs:
             texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix, suffix))
+        for tag, image in images.items():
+            self._paint(functools.partial(_add_image, writer, tag + suffix, image, step))
         for tag, text in texts.items():
             self._paint(functools.partial(writer.add_text, tag + suffix, text, step))
 
@@ -1070,6 +1072,7 @@ class AttentionMonitor(Callback):
                 "weight",
                 titles=["mean of heads"] + [f"head {h}" for h in range(per_head.shape[0])],
                 vmax=self._color_limit(tag, panels),
+                alpha=True,
             )
 
     def _tables(
@@ -1192,15 +1195,14 @@ def _checkpointed(snapshots: dict[str, dict[str, Tensor]]) -> dict[str, dict[str
 
 
 def _add_image(writer: Any, tag: str, image: Any, step: int) -> None:
-    """``writer.add_image(tag, image, step, dataformats="HWC")`` for an ``(H, W, 3)`` uint8 array, without its float
-    round trip and with faster PNG compression (:func:`render.png_bytes`); the same event a reader sees."""
+    """``writer.add_image(tag, image[..., :3], step, dataformats="HWC")`` for an ``(H, W, 3)`` RGB or ``(H, W, 4)``
+    RGBA uint8 array (the alpha is dropped), without its float round trip and with faster PNG compression
+    (:func:`render.png_bytes`); the same event a reader sees."""
     if not isinstance(writer, SummaryWriter):  # tensorboardX's, say: other protobuf classes, so its own add_image
-        writer.add_image(tag, image, step, dataformats="HWC")
+        writer.add_image(tag, image[..., :3], step, dataformats="HWC")
         return
-    height, width, channels = image.shape
-    picture = Summary.Image(
-        height=height, width=width, colorspace=channels, encoded_image_string=render.png_bytes(image)
-    )
+    height, width = image.shape[:2]
+    picture = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=render.png_bytes(image))
     writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
 

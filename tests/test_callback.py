@@ -931,14 +931,16 @@ def test_callback_images_are_the_events_add_image_writes_and_other_writers_get_a
     from attn_callbacks.callback import _add_image
 
     image = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    rgba = np.concatenate([image, np.full((37, 53, 1), 255, dtype=np.uint8)], axis=-1)  # what the canvas holds
     for name, write in (
         ("ours", lambda w: _add_image(w, "img", image, 3)),
+        ("ours_rgba", lambda w: _add_image(w, "img", rgba, 3)),
         ("stock", lambda w: w.add_image("img", image, 3, dataformats="HWC")),
     ):
         with SummaryWriter(tmp_path / name) as writer:
             write(writer)
     read = {}
-    for name in ("ours", "stock"):
+    for name in ("ours", "ours_rgba", "stock"):
         events = EventAccumulator(str(tmp_path / name), size_guidance={IMAGES: 0})
         events.Reload()
         (event,) = events.Images("img")
@@ -948,8 +950,9 @@ def test_callback_images_are_the_events_add_image_writes_and_other_writers_get_a
             event.height,
             np.asarray(Image.open(io.BytesIO(event.encoded_image_string))),
         )
-    assert read["ours"][:3] == read["stock"][:3] == (3, 53, 37)
-    assert np.array_equal(read["ours"][3], image) and np.array_equal(read["stock"][3], image)
+    assert read["ours"][:3] == read["ours_rgba"][:3] == read["stock"][:3] == (3, 53, 37)
+    for name in ("ours", "ours_rgba", "stock"):
+        assert np.array_equal(read[name][3], image), name
 
     class OtherWriter:  # tensorboardX's SummaryWriter, say: its own protobuf classes
         def __init__(self):
@@ -959,8 +962,10 @@ def test_callback_images_are_the_events_add_image_writes_and_other_writers_get_a
             self.calls.append((args, kwargs))
 
     other = OtherWriter()
-    _add_image(other, "img", image, 3)
-    assert other.calls == [(("img", image, 3), {"dataformats": "HWC"})]
+    _add_image(other, "img", rgba, 3)
+    ((tag, written, step), kwargs), *more = other.calls
+    assert (tag, step, kwargs, more) == ("img", 3, {"dataformats": "HWC"}, [])
+    assert np.array_equal(written, image)  # RGB: the alpha channel left out
 
 
 def test_callback_images_are_written_by_a_worker_thread_and_its_errors_reach_the_caller(tmp_path, monkeypatch):

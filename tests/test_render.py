@@ -1,8 +1,10 @@
+import io
 import itertools
 
 import numpy as np
 import pytest
 from matplotlib.text import Text
+from PIL import Image
 
 from attn_callbacks import render
 
@@ -68,6 +70,12 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_me
     assert len(cache._entries) == 3
     tiny = render.FigureCache(max_bytes=0)  # nothing kept, still drawn right
     assert np.array_equal(tiny.heatmap("m", second, labels, labels, "T", "P"), again) and not tiny._entries
+    # alpha=True: the same pixels with the canvas' opaque alpha channel, which PNG encoding drops
+    with_alpha = cache.heatmap("m", second, labels, labels, "T", "P", alpha=True)
+    assert with_alpha.shape == (*again.shape[:2], 4) and (with_alpha[..., 3] == 255).all()
+    assert np.array_equal(with_alpha[..., :3], again)
+    decoded = np.asarray(Image.open(io.BytesIO(render.png_bytes(with_alpha))))
+    assert decoded.shape == again.shape and np.array_equal(decoded, again)
 
 
 def _no_overlap(boxes, axis):
