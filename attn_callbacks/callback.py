@@ -6,7 +6,7 @@ import copy
 import functools
 import pickle
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +42,8 @@ from attn_callbacks.tokens import (
 __all__ = ["AttentionMonitor"]
 
 _STATE_VERSION = 1
+# Images waiting for the writer thread, at most: drawing may outrun PNG encoding, and each is megabytes.
+_MAX_PENDING = 4
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -315,14 +317,16 @@ class AttentionMonitor(Callback):
                 ) from err
         state = self.__dict__.copy()
         state["_figures"] = render.FigureCache()  # figures are a cache: rebuilt where needed
+        state["_painter"], state["_painted"] = None, []  # a thread lives only during an epoch end
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AttentionMonitor:
         # Deep copies need no pickling: skip __getstate__'s check so lambdas stay fine there.
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
+        fresh = {"_figures": render.FigureCache, "_painter": lambda: None, "_painted": list}
         for key, value in self.__dict__.items():
-            setattr(clone, key, render.FigureCache() if key == "_figures" else copy.deepcopy(value, memo))
+            setattr(clone, key, fresh[key]() if key in fresh else copy.deepcopy(value, memo))
         return clone
 
     @property
@@ -537,10 +541,12 @@ class AttentionMonitor(Callback):
         self._reset_sums()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._finish_painting(raise_errors=False)
         self._release()
         self._reset_sums()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._finish_painting(raise_errors=False)
         self._release()
 
     def state_dict(self) -> dict[str, Any]:
@@ -1024,19 +1030,29 @@ class AttentionMonitor(Callback):
             self._paint(functools.partial(writer.add_text, tag + suffix, text, step))
 
     def _paint(self, job: Callable[[], Any]) -> None:
-        """Run ``job`` (encode and write one image, or write a text) on the worker thread, after those before it."""
+        """Run ``job`` (encode and write one image, or write a text) on the worker thread, after those before it.
+        At most ``_MAX_PENDING`` jobs wait: pictures are megabytes each, and drawing can outrun encoding."""
         if self._painter is None:
             self._painter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attn_callbacks-images")
+        pending = [future for future in self._painted if not future.done()]
+        if len(pending) >= _MAX_PENDING:
+            wait(pending[: len(pending) - _MAX_PENDING + 1])
         self._painted.append(self._painter.submit(job))
 
     def _finish_painting(self, raise_errors: bool = True) -> None:
-        """Wait for every job of this epoch end and stop the worker; re-raise the first job's error (jobs not yet
-        started are dropped instead when ``raise_errors`` is False: the epoch end already failed)."""
+        """Wait for every job of this epoch end and stop the worker; re-raise the first job's error. When
+        ``raise_errors`` is False (the epoch end already failed), or when the wait itself is interrupted (Ctrl+C),
+        jobs not yet started are dropped and their errors too; the worker is stopped either way."""
         painter, jobs = self._painter, self._painted
-        self._painter, self._painted = None, []
         if painter is None:
             return
-        painter.shutdown(wait=True, cancel_futures=not raise_errors)
+        try:
+            painter.shutdown(wait=True, cancel_futures=not raise_errors)
+        except BaseException:
+            painter.shutdown(wait=True, cancel_futures=True)  # waits for the job in progress only
+            raise
+        finally:
+            self._painter, self._painted = None, []
         if raise_errors:
             for job in jobs:
                 job.result()

@@ -1001,3 +1001,50 @@ def test_callback_images_are_written_by_a_worker_thread_and_its_errors_reach_the
     with pytest.raises(RuntimeError, match="writing failed"):
         trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids")]).validate(model, loaders()[1])
     assert no_hooks(model) and workers() == []
+
+
+def test_callback_interrupted_wait_for_the_writer_thread_stops_it_and_drops_what_is_left(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    import attn_callbacks.callback as callback_module
+
+    monitor = AttentionMonitor(VOCAB, "input_ids")
+    started, done = threading.Event(), []
+
+    def slow(name, seconds=1.0):
+        started.set()
+        time.sleep(seconds)
+        done.append(name)
+
+    # Drawing may outrun encoding: at most _MAX_PENDING pictures wait, the oldest are waited for.
+    for k in range(3 * callback_module._MAX_PENDING):
+        monitor._paint(lambda k=k: slow(k, 0.01))
+        assert sum(not job.done() for job in monitor._painted) <= callback_module._MAX_PENDING
+    monitor._finish_painting()
+    assert done == list(range(3 * callback_module._MAX_PENDING))
+    started.clear()
+    done.clear()
+
+    monitor._paint(lambda: slow("first"))
+    for name in ("second", "third"):
+        monitor._paint(lambda name=name: slow(name))
+    assert started.wait(5)
+    real_shutdown = callback_module.ThreadPoolExecutor.shutdown
+    calls = []
+
+    def interrupted_once(self, wait=True, *, cancel_futures=False):
+        calls.append(cancel_futures)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl+C while the hook waits for the writer
+        return real_shutdown(self, wait=wait, cancel_futures=cancel_futures)
+
+    monkeypatch.setattr(callback_module.ThreadPoolExecutor, "shutdown", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        monitor._finish_painting()
+    # The job in progress finished, the queued ones were dropped, and no worker is left.
+    assert calls == [False, True] and done == ["first"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("attn_callbacks-images")]
+    assert monitor._painter is None and monitor._painted == []
+    pickle.dumps(monitor)  # nothing of the thread is carried
+    copy.deepcopy(monitor)
