@@ -44,6 +44,9 @@ __all__ = ["AttentionMonitor"]
 _STATE_VERSION = 1
 # Images waiting for the writer thread, at most: drawing may outrun PNG encoding, and each is megabytes.
 _MAX_PENDING = 4
+# What a pickled or deep-copied monitor starts afresh: the figures are a cache, rebuilt where needed, and the writer
+# thread lives only during an epoch end.
+_TRANSIENT: dict[str, Callable[[], Any]] = {"_figures": render.FigureCache, "_painter": lambda: None, "_painted": list}
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -315,18 +318,14 @@ class AttentionMonitor(Callback):
                     "needs to start its processes: use a module-level function or a batch key instead of a lambda "
                     "or local function, or strategy='ddp'"
                 ) from err
-        state = self.__dict__.copy()
-        state["_figures"] = render.FigureCache()  # figures are a cache: rebuilt where needed
-        state["_painter"], state["_painted"] = None, []  # a thread lives only during an epoch end
-        return state
+        return {key: _TRANSIENT[key]() if key in _TRANSIENT else value for key, value in self.__dict__.items()}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AttentionMonitor:
         # Deep copies need no pickling: skip __getstate__'s check so lambdas stay fine there.
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
-        fresh = {"_figures": render.FigureCache, "_painter": lambda: None, "_painted": list}
         for key, value in self.__dict__.items():
-            setattr(clone, key, fresh[key]() if key in fresh else copy.deepcopy(value, memo))
+            setattr(clone, key, _TRANSIENT[key]() if key in _TRANSIENT else copy.deepcopy(value, memo))
         return clone
 
     @property
