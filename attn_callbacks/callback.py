@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import pickle
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -44,9 +46,14 @@ __all__ = ["AttentionMonitor"]
 _STATE_VERSION = 1
 # Images waiting for the writer thread, at most: drawing may outrun PNG encoding, and each is megabytes.
 _MAX_PENDING = 4
-# What a pickled or deep-copied monitor starts afresh: the figures are a cache, rebuilt where needed, and the writer
-# thread lives only during an epoch end.
-_TRANSIENT: dict[str, Callable[[], Any]] = {"_figures": render.FigureCache, "_painter": lambda: None, "_painted": list}
+# What a pickled or deep-copied monitor starts afresh: the figures and the spare buffers are caches, rebuilt where
+# needed, and the writer thread lives only during an epoch end.
+_TRANSIENT: dict[str, Callable[[], Any]] = {
+    "_figures": render.FigureCache,
+    "_painter": lambda: None,
+    "_painted": list,
+    "_spare": dict,
+}
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -301,6 +308,10 @@ class AttentionMonitor(Callback):
         self._ranks: dict[tuple[str, str, str], Tensor] = {}
         # This epoch's row_plogp(P) and mean_h P per module (on CPU), for its drift snapshot.
         self._derived: dict[str, dict[str, Tensor]] = {}
+        # Per module, the P of a drift snapshot that no longer serves and that nothing else holds: where the next
+        # epoch's P goes. A fresh tensor of hundreds of MB costs its page faults on every epoch (measured 10x the
+        # division itself); the peak memory is the same, as the current, previous and reference P coexist anyway.
+        self._spare: dict[str, Tensor] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.
@@ -518,6 +529,13 @@ class AttentionMonitor(Callback):
             return
         step = trainer.global_step
         self._derived.clear()  # nothing left from an epoch that failed before _remember
+        for name, stats in all_stats.items():
+            spare = self._spare.pop(name, None)
+            sums = stats.attention_sum
+            if spare is not None and (spare.shape, spare.dtype, spare.device) == (sums.shape, sums.dtype, sums.device):
+                stats.attention_mass = F.attention_mass(sums, stats.query_count, out=spare)  # the cached property
+            elif spare is not None:
+                self._spare[name] = spare  # on GPU: the CPU copy of the snapshot goes there (_remember)
         finished = False
         try:
             for name, stats in all_stats.items():
@@ -788,18 +806,30 @@ class AttentionMonitor(Callback):
         for name, stats in all_stats.items():
             # P = S / Q is a tensor of its own (no copy needed on CPU); Q is a view of the state, which is zeroed in
             # place for the next epoch: a copy. row_plogp(P) and mean_h P as _log_module computed them, if it did.
+            mass, spare = stats.attention_mass.detach(), self._spare.pop(name, None)
+            fits = spare is not None and (spare.shape, spare.dtype) == (mass.shape, mass.dtype)
+            if mass.device.type != "cpu" and fits:
+                mass = spare.copy_(mass)
             snapshot[name] = {
-                "attention_mass": stats.attention_mass.detach().cpu(),
+                "attention_mass": mass.cpu(),
                 "query_count": stats.query_count.to("cpu", copy=True),
                 **self._derived.get(name, {}),
             }
             if "row_plogp" not in snapshot[name]:
                 snapshot[name]["row_plogp"] = F.row_plogp(stats.attention_mass).cpu()
         self._derived.clear()
+        retired, kept = self._previous, self._reference
         self._previous, self._previous_epoch = snapshot, epoch
         wanted = self.drift_reference_epoch
         if self._reference_epoch is None and (wanted is None or wanted == epoch):
             self._reference, self._reference_epoch = snapshot, epoch
+        for name, memory in retired.items():
+            mass = memory["attention_mass"]
+            # Ours to reuse only if no snapshot still in use holds it, and nothing outside (a checkpoint's state dict
+            # still being written, say) refers to it: the dict entry, the local and getrefcount's argument.
+            in_use = any(m.get(name, {}).get("attention_mass") is mass for m in (kept, self._reference, snapshot))
+            if not in_use and sys.getrefcount(mass) <= 3:
+                self._spare[name] = mass
 
     def _export(self, trainer: Trainer, all_stats: dict[str, AttentionStats], directory: Path) -> None:
         path = directory / f"epoch={trainer.current_epoch:04d}-step={trainer.global_step}"
@@ -891,6 +921,7 @@ class AttentionMonitor(Callback):
         if drift and not suffix:  # the combined view of a drift epoch is the one _remember keeps
             self._derived[name] = {"row_plogp": plogp_heads.cpu(), "mean_mass": mass.cpu()}
         drifts: dict[int, tuple[Tensor, ...]] = {}
+        moved: dict[str, Tensor] = {}  # "prev" / "ref" -> each row's JS of the mean of the heads, for the table
         for which, memory in (("prev", previous), ("ref", reference)):
             if memory is None:
                 continue
@@ -902,10 +933,10 @@ class AttentionMonitor(Callback):
                 old_plogp = memory["row_plogp"].to(mass.device)
                 args = (query_count, old_count, self.min_support)
                 drifts[id(memory)] = (
-                    *F.attention_drift(mass, _snapshot_mean(memory).to(mass.device), *args),
+                    *F.attention_drift(mass, _snapshot_mean(memory).to(mass.device), *args, row_divergence=True),
                     *F.attention_drift(mass_heads, old_heads, *args, plogp_heads, old_plogp),
                 )
-            js, frobenius, js_heads, frobenius_heads = drifts[id(memory)]
+            js, frobenius, moved[which], js_heads, frobenius_heads = drifts[id(memory)]
             add(f"drift/js_{which}", js, js_heads)
             add(f"drift/frobenius_{which}", frobenius, frobenius_heads)
         for tag, value in scalars.items():
@@ -921,7 +952,7 @@ class AttentionMonitor(Callback):
             )
         if writer is not None:
             self._write_images_and_text(
-                writer, name, layer, stats, mass, mass_heads, sum_mean, previous, reference, step, prefix, suffix
+                writer, name, layer, stats, mass, mass_heads, sum_mean, previous, reference, moved, step, prefix, suffix
             )
 
     def _check_collapse(self, name: str, entropy_normalized: Tensor, query_count: Tensor) -> None:
@@ -947,6 +978,7 @@ class AttentionMonitor(Callback):
         sum_mean: Tensor,
         previous: dict[str, Tensor] | None,
         reference: dict[str, Tensor] | None,
+        moved: dict[str, Tensor],
         step: int,
         prefix: str,
         suffix: str,
@@ -1022,7 +1054,7 @@ class AttentionMonitor(Callback):
                     True,
                 )
         if self.num_pairs:
-            texts.update(self._tables(name, layer, stats, mass, sum_mean, previous, reference, prefix, suffix))
+            texts.update(self._tables(name, layer, stats, mass, sum_mean, reference, moved, prefix, suffix))
         for tag, image in images.items():
             self._paint(functools.partial(_add_image, writer, tag + suffix, image, step))
         for tag, text in texts.items():
@@ -1097,8 +1129,8 @@ class AttentionMonitor(Callback):
         stats: AttentionStats,
         mass: Tensor,
         sum_mean: Tensor,
-        previous: dict[str, Tensor] | None,
         reference: dict[str, Tensor] | None,
+        moved_rows: dict[str, Tensor],
         prefix: str,
         suffix: str,
     ) -> dict[str, str]:
@@ -1131,15 +1163,18 @@ class AttentionMonitor(Callback):
         ]
         header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
         tables[f"{prefix}_lift_pairs/{layer}"] = table(header, rows, f"{needs}.")
-        if reference is not None:
+        if reference is not None and "ref" in moved_rows:
             ref_mass = _snapshot_mean(reference).to(mass.device)
             ref_count = reference["query_count"].to(mass.device)
-            moved = F.moved_tokens(mass, ref_mass, stats.query_count, ref_count, self.num_pairs, self.min_support)
-            prev_js = [""] * len(moved)
-            if previous is not None and moved:  # only the rows shown
-                shown = torch.tensor([a for a, _ in moved])  # the snapshot is on CPU
-                prev_mass = _snapshot_mean(previous)[shown].to(mass.device)
-                prev_js = F.js_divergence(mass[shown.to(mass.device)], prev_mass).tolist()
+            moved = F.moved_tokens(
+                mass, ref_mass, stats.query_count, ref_count, self.num_pairs, self.min_support, moved_rows["ref"]
+            )
+            prev_js: list[Any] = [""] * len(moved)
+            if "prev" in moved_rows and moved:  # NaN (not shown) where the token was too rare in the previous epoch
+                prev_js = [
+                    "" if math.isnan(js) else js
+                    for js in moved_rows["prev"][torch.tensor([a for a, _ in moved], device=mass.device)].tolist()
+                ]
             rows = [
                 (
                     q_label(a),

@@ -373,23 +373,25 @@ def _sum_by_blocks(fn: Callable[[Any], Tensor], blocks: Iterable[Any], empty: Te
     return total
 
 
-def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
+def safe_divide(numerator: Tensor, denominator: Tensor, out: Tensor | None = None) -> Tensor:
     """``numerator / denominator`` with 0 wherever the denominator is 0 (broadcasting as usual).
 
     A denominator smaller than the numerator (broadcast) costs one host sync, to check its reciprocals are finite:
-    for epoch-end statistics, not for per-batch updates."""
+    for epoch-end statistics, not for per-batch updates. ``out``, a tensor of the result's shape and dtype, receives
+    the result (a large result written into memory already in use skips the page faults of a fresh allocation)."""
     denominator = denominator.to(numerator.dtype) if numerator.is_floating_point() else denominator.double()
     if 0 < denominator.numel() < numerator.numel():
         # A broadcast denominator (row counts, say): zero-safe reciprocals of the few, then one multiplication pass
         # over the many, unless a reciprocal overflows (a subnormal denominator).
         reciprocal = torch.where(denominator == 0, 0.0, 1 / denominator)
         if bool(torch.isfinite(reciprocal).all()):
-            return numerator * reciprocal
+            return torch.mul(numerator, reciprocal, out=out)
     # x / 0 is inf or NaN here, and torch.where replaces it: no temporary ones/zeros of the full size.
-    return torch.where(denominator == 0, 0.0, numerator / denominator)
+    quotient = torch.where(denominator == 0, 0.0, numerator / denominator)
+    return quotient if out is None else out.copy_(quotient)
 
 
-def attention_mass(attention_sum: Tensor, query_count: Tensor) -> Tensor:
+def attention_mass(attention_sum: Tensor, query_count: Tensor, out: Tensor | None = None) -> Tensor:
     """Attention mass ``P[..., a, b] = S[..., a, b] / Q[a]``, 0 for query tokens never seen.
 
     The share of one occurrence of query token ``a``'s attention that goes to key token ``b``. Rows sum to 1 over the
@@ -398,11 +400,12 @@ def attention_mass(attention_sum: Tensor, query_count: Tensor) -> Tensor:
     Args:
         attention_sum: ``(..., Vq, Vk)`` attention sums (per head or head-averaged).
         query_count: ``(Vq,)`` query counts.
+        out: optional ``(..., Vq, Vk)`` tensor of the sums' dtype to write ``P`` into (see :func:`safe_divide`).
 
     Returns:
-        ``(..., Vq, Vk)`` tensor of the sums' dtype.
+        ``(..., Vq, Vk)`` tensor of the sums' dtype (``out`` when given).
     """
-    return safe_divide(attention_sum, query_count[:, None])
+    return safe_divide(attention_sum, query_count[:, None], out=out)
 
 
 def mean_weight(attention_sum: Tensor, pair_count: Tensor) -> Tensor:
@@ -494,11 +497,25 @@ def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int =
     backward = matrix.T.reshape(-1)[candidates]
     gap = forward - backward
     score = gap / (forward + backward)
+    score, candidates, gap = _at_least_kth(score, k, candidates, gap)
     # Two stable sorts = lexicographic order on (score, gap), both descending; then the smaller flat index.
     order = torch.sort(gap, descending=True, stable=True).indices
     order = order[torch.sort(score[order], descending=True, stable=True).indices][:k]
     chosen = zip(candidates[order].tolist(), score[order].tolist(), strict=True)
     return [(i // size, i % size, a) for i, a in chosen]
+
+
+def _at_least_kth(score: Tensor, k: int, *others: Tensor) -> tuple[Tensor, ...]:
+    """``(score, *others)`` kept where ``score`` is at least its ``k``-th largest value, in their order: the first
+    ``k`` of a stable descending sort are among them, ties included, so sorting these few gives the same ``k`` as
+    sorting all (millions of candidate pairs for a large vocabulary)."""
+    if score.numel() <= k:
+        return score, *others
+    if k <= 0:
+        keep = torch.zeros_like(score, dtype=torch.bool)
+    else:
+        keep = score >= torch.topk(score, k, sorted=False).values.min()
+    return score[keep], *(other[keep] for other in others)
 
 
 def row_plogp(matrix: Tensor) -> Tensor:
@@ -562,7 +579,7 @@ def top_pairs(score: Tensor, pair_count: Tensor, k: int, min_support: int = 1) -
     candidates = (pair_count >= min_support).reshape(-1).nonzero()[:, 0]  # ascending flat index
     values = score.reshape(-1)[candidates]
     keep = torch.isfinite(values)
-    candidates, values = candidates[keep], values[keep]
+    values, candidates = _at_least_kth(values[keep], k, candidates[keep])
     order = torch.sort(values, descending=True, stable=True).indices[:k]
     size = score.shape[-1]
     chosen = zip(candidates[order].tolist(), values[order].tolist(), strict=True)
@@ -693,7 +710,8 @@ def attention_drift(
     min_support: int = 1,
     current_plogp: Tensor | None = None,
     reference_plogp: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    row_divergence: bool = False,
+) -> tuple[Tensor, ...]:
     """Drift of the attention mass between two epochs: weighted row Jensen–Shannon and relative Frobenius change.
 
     - ``js = Σ_a w[a] JS(P_t[a, :], P_s[a, :]) / Σ_a w[a]`` with ``w[a] = Q_t[a]`` for query tokens seen at least
@@ -708,13 +726,16 @@ def attention_drift(
         min_support: the minimum query count, in both epochs, for a row to count.
         current_plogp: :func:`row_plogp` of ``current`` when the caller has it, ``(..., Vq)``.
         reference_plogp: :func:`row_plogp` of ``reference`` likewise.
+        row_divergence: also return every row's ``JS(P_t[a, :], P_s[a, :])``, ``(..., Vq)``, NaN for rows that do not
+            count (what :func:`moved_tokens` ranks; computed on the way at no extra cost).
 
     Returns:
-        ``(js, frobenius)``, each ``(...)``.
+        ``(js, frobenius)``, each ``(...)``; ``(js, frobenius, rows)`` with ``row_divergence``.
     """
     supported = _supported_rows(current_count, reference_count, min_support)
     weights = torch.where(supported, current_count, 0).to(current.dtype)  # (Vq,): 0 for rows that do not count
     blocks, batch = _row_blocks(current), current.shape[:-2]
+    pieces_js: list[Tensor] = []  # every row's JS, block by block, when asked for
 
     def js_block(index: Any) -> Tensor:  # Σ_a w[a] JS(P_t[a], P_s[a]) over these rows, (...)
         js_rows = js_divergence(
@@ -723,27 +744,41 @@ def attention_drift(
             None if current_plogp is None else current_plogp[..., index],
             None if reference_plogp is None else reference_plogp[..., index].to(current.dtype),
         )
+        if row_divergence:
+            pieces_js.append(js_rows)
         return (js_rows * weights[index]).sum(dim=-1)
 
     def change_block(r: slice) -> Tensor:  # ‖P_t - P_s‖² and ‖P_s‖² over these rows, (2, ...)
         now, then = current[..., r, :], reference[..., r, :]
         return torch.stack([(now - then).square().sum(dim=(-1, -2)), then.square().sum(dim=(-1, -2))])
 
+    rows_js = current.new_full((*batch, supported.numel()), float("nan")) if row_divergence else None
     if 2 * int(supported.sum()) >= supported.numel():  # most rows count: one pass, each block read in place once
         js_sum, change, norm = _sum_by_blocks(
             lambda r: torch.cat([js_block(r)[None], change_block(r)]), blocks, current.new_zeros(3, *batch)
         )
+        if rows_js is not None:
+            rows_js = torch.where(supported, torch.cat(pieces_js, dim=-1), rows_js)
     else:  # JS only where it has weight (often a small share of the vocabulary), gathered a block of rows at a time
         rows, step = supported.nonzero()[:, 0], _rows_per_block(current)
         pieces = [rows[start : start + step] for start in range(0, len(rows), step)]
         js_sum = _sum_by_blocks(js_block, pieces, current.new_zeros(batch))
         change, norm = _sum_by_blocks(change_block, blocks, current.new_zeros(2, *batch))
+        if rows_js is not None and pieces_js:
+            rows_js[..., rows] = torch.cat(pieces_js, dim=-1)
     js = safe_divide(js_sum, weights.sum().double())
-    return js.to(current.dtype), safe_divide(change.sqrt(), norm.sqrt()).to(current.dtype)
+    result = (js.to(current.dtype), safe_divide(change.sqrt(), norm.sqrt()).to(current.dtype))
+    return result if rows_js is None else (*result, rows_js)
 
 
 def moved_tokens(
-    current: Tensor, reference: Tensor, current_count: Tensor, reference_count: Tensor, k: int, min_support: int = 1
+    current: Tensor,
+    reference: Tensor,
+    current_count: Tensor,
+    reference_count: Tensor,
+    k: int,
+    min_support: int = 1,
+    row_divergence: Tensor | None = None,
 ) -> list[tuple[int, float]]:
     """The ``k`` query tokens whose attention row moved most, by ``JS(P_t[a, :], P_s[a, :])`` (nats).
 
@@ -756,13 +791,19 @@ def moved_tokens(
         reference_count: ``Q_s``, ``(Vq,)``.
         k: how many tokens to return.
         min_support: minimum query count in both epochs.
+        row_divergence: the rows' JS when the caller has it (``attention_drift(..., row_divergence=True)`` of the
+            same arguments), ``(Vq,)``; then no row is compared again.
 
     Returns:
         Up to ``k`` tuples ``(a, JS)``, largest first (ties: smaller id first).
     """
-    rows = _supported_rows(current_count, reference_count, min_support).nonzero()[:, 0]
+    supported = _supported_rows(current_count, reference_count, min_support)
     score = torch.full(current_count.shape, float("-inf"), dtype=current.dtype, device=current.device)
-    score[rows] = js_divergence(current[rows], reference[rows].to(current.dtype))
+    if row_divergence is None:
+        rows = supported.nonzero()[:, 0]
+        score[rows] = js_divergence(current[rows], reference[rows].to(current.dtype))
+    else:
+        score = torch.where(supported, row_divergence.to(current.dtype), score)
     order = torch.sort(score, descending=True, stable=True).indices
     order = order[torch.isfinite(score[order])][:k]
     return [(int(a), float(score[a])) for a in order.tolist()]

@@ -1,5 +1,7 @@
 """Independent float64 references shared by the test files (plain loops, nothing from the package)."""
 
+import math
+
 import torch
 
 
@@ -16,3 +18,16 @@ def add_loop_sums(S: torch.Tensor, Q: torch.Tensor, ids: torch.Tensor, weights: 
             for j in range(length):
                 if ids[n, j] != pad:
                     S[:, ids[n, i], ids[n, j]] += weights[n, :, i, j].double()
+
+
+def naive_js(p, q):
+    """Jensen–Shannon divergence in nats of two lists, renormalised; 0 when either is all zero."""
+    sp, sq = sum(p), sum(q)
+    if sp == 0 or sq == 0:
+        return 0.0
+    p = [x / sp for x in p]
+    q = [x / sq for x in q]
+    m = [(x + y) / 2 for x, y in zip(p, q, strict=True)]
+    kl_p = sum(x * math.log(x / z) for x, z in zip(p, m, strict=True) if x > 0)
+    kl_q = sum(y * math.log(y / z) for y, z in zip(q, m, strict=True) if y > 0)
+    return (kl_p + kl_q) / 2

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _reference import add_loop_sums
+from _reference import add_loop_sums, naive_js
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -1048,3 +1048,61 @@ def test_callback_interrupted_wait_for_the_writer_thread_stops_it_and_drops_what
     assert monitor._painter is None and monitor._painted == []
     pickle.dumps(monitor)  # nothing of the thread is carried
     copy.deepcopy(monitor)
+
+
+def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_path):
+    class Recorder(AttentionMonitor):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            super().on_validation_epoch_end(trainer, pl_module)
+            self.seen = getattr(self, "seen", [])
+            mass = self._previous["encoder.layers.0.self_attn"]["attention_mass"]
+            self.seen.append((mass.data_ptr(), mass.clone()))
+            reference = self._reference["encoder.layers.0.self_attn"]["attention_mass"]
+            assert torch.equal(reference, self.seen[0][1])  # the reference epoch's P is never overwritten
+            if trainer.current_epoch == 2:
+                self.held = self.state_dict()  # a state dict kept by someone: its tensors must stay as they are
+                self.held_copy = copy.deepcopy(self.held)
+
+    monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD])
+    train, val = loaders()
+    trainer(tmp_path, [monitor], max_epochs=6, num_sanity_val_steps=0, logger=CSVLogger(tmp_path)).fit(
+        TinyEncoder(), train, val
+    )
+    pointers = [pointer for pointer, _ in monitor.seen]
+    # Epoch 1's P retires at epoch 2 and holds epoch 3's; epoch 2's is held by the kept state dict: never reused.
+    assert pointers[3] == pointers[1] and pointers[2] not in pointers[3:]
+    assert len(set(pointers[:3])) == 3
+    for name, memory in monitor.held["previous"].items():
+        assert torch.equal(memory["attention_mass"], monitor.held_copy["previous"][name]["attention_mass"]), name
+    # Each epoch's P, as the next epoch's drift read it, is what that epoch computed: the final previous snapshot
+    # equals a fresh S / Q of the last epoch's sums.
+    last = monitor._previous["encoder.layers.0.self_attn"]["attention_mass"]
+    assert torch.equal(last, monitor.seen[-1][1])
+
+
+def test_callback_drift_table_lists_the_most_moved_tokens_with_their_loop_js_against_both_epochs(tmp_path):
+    layer = "encoder.layers.0.self_attn"
+
+    class Snapshots(AttentionMonitor):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            super().on_validation_epoch_end(trainer, pl_module)
+            memory = self._previous[layer]
+            self.kept = [*getattr(self, "kept", []), (memory["attention_mass"].double().mean(0), memory["query_count"])]
+
+    monitor = Snapshots(VOCAB, "input_ids", ignore_ids=[PAD], min_support=2, num_pairs=4)
+    train, val = loaders()
+    fitted = trainer(tmp_path, [monitor], max_epochs=3, num_sanity_val_steps=0)
+    fitted.fit(TinyEncoder(), train, val)
+    events = EventAccumulator(fitted.logger.log_dir, size_guidance={TENSORS: 0})
+    events.Reload()
+    table = events.Tensors(f"attention_drift_tokens/{layer}/text_summary")[-1].tensor_proto.string_val[0].decode()
+    rows = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    (ref, ref_q), (prev, prev_q), (now, now_q) = monitor.kept
+    supported = [a for a in range(VOCAB) if now_q[a] >= 2 and ref_q[a] >= 2]
+    expected = sorted((-naive_js(now[a].tolist(), ref[a].tolist()), a) for a in supported)[:4]
+    assert [int(row[0]) for row in rows] == [a for _, a in expected]
+    for row, (js, a) in zip(rows, expected, strict=True):
+        assert abs(float(row[1]) + js) < 1e-3
+        against_previous = naive_js(now[a].tolist(), prev[a].tolist()) if prev_q[a] >= 2 else None
+        assert (row[2] == "") if against_previous is None else abs(float(row[2]) - against_previous) < 1e-3
+        assert int(row[5]) == int(now_q[a])

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from _reference import naive_js
 
 from attn_callbacks import functional as F
 
@@ -195,19 +196,6 @@ def run_full(weights, query_ids, key_ids, qv, kv, vq, vk):
         S, C, Q, weights, query_ids, key_ids, qv, kv, uniform_sum=U, position_sums=P
     )
     return S, C, Q, U, P, int(skipped)
-
-
-def naive_js(p, q):
-    """Jensen–Shannon divergence in nats of two lists, renormalised; 0 when either is all zero."""
-    sp, sq = sum(p), sum(q)
-    if sp == 0 or sq == 0:
-        return 0.0
-    p = [x / sp for x in p]
-    q = [x / sq for x in q]
-    m = [(x + y) / 2 for x, y in zip(p, q, strict=True)]
-    kl_p = sum(x * math.log(x / z) for x, z in zip(p, m, strict=True) if x > 0)
-    kl_q = sum(y * math.log(y / z) for y, z in zip(q, m, strict=True) if y > 0)
-    return (kl_p + kl_q) / 2
 
 
 def naive_drift(current, reference, current_count, reference_count, min_support):
@@ -522,6 +510,29 @@ def test_moved_tokens_orders_by_js_and_keeps_supported_rows_only():
     assert top == everything[:1]
 
 
+@pytest.mark.parametrize("heads", [None, 3])
+def test_attention_drift_row_divergence_is_each_rows_js_and_nan_where_rows_do_not_count(heads):
+    current, reference, current_count, reference_count = _random_drift_case(19, heads=heads)
+    # min_support 1 keeps 4 of 6 rows (the one-pass path), 3 keeps 2 (the gathered rows)
+    for min_support in (1, 3):
+        js, frob, rows = F.attention_drift(
+            current, reference, current_count, reference_count, min_support, row_divergence=True
+        )
+        expected = F.attention_drift(current, reference, current_count, reference_count, min_support)
+        assert torch.equal(js, expected[0]) and torch.equal(frob, expected[1])
+        for h in range(1 if heads is None else heads):
+            now, then = (current, reference) if heads is None else (current[h], reference[h])
+            got = rows if heads is None else rows[h]
+            for a in range(6):
+                if current_count[a] >= min_support and reference_count[a] >= min_support:
+                    assert math.isclose(float(got[a]), naive_js(now[a].tolist(), then[a].tolist()), rel_tol=1e-10)
+                else:
+                    assert math.isnan(float(got[a])), (min_support, a)
+        if heads is None:
+            args = (current, reference, current_count, reference_count, 10, min_support)
+            assert F.moved_tokens(*args, row_divergence=rows) == F.moved_tokens(*args)
+
+
 def test_moved_tokens_hand_computed_with_ties():
     current = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, 1.0], [1.0, 0.0]])
     reference = torch.tensor([[0.0, 1.0], [0.5, 0.5], [1.0, 0.0], [0.0, 1.0]])
@@ -763,6 +774,8 @@ def test_epoch_statistics_by_row_blocks_equal_the_whole_matrix_computation(monke
             "js": F.js_divergence(P, P2),
             "drift": torch.stack(F.attention_drift(P, P2, Q, Q.flip(0), 3)),
             "drift_plogp": torch.stack(F.attention_drift(P, P2, Q, Q, 1, F.row_plogp(P), F.row_plogp(P2))),
+            "drift_rows_few": F.attention_drift(P, P2, Q, Q.flip(0), 3, row_divergence=True)[2].nan_to_num(-1.0),
+            "drift_rows_all": F.attention_drift(P, P2, Q, Q, 1, row_divergence=True)[2].nan_to_num(-1.0),
         }
 
     whole = statistics()
@@ -780,3 +793,32 @@ def test_mean_lift_refuses_a_plogp_that_is_not_one_value_per_row():
     torch.testing.assert_close(F.mean_lift(sums, uniform, F.row_plogp(sums)), F.mean_lift(sums, uniform))
     with pytest.raises(ValueError, match=r"`plogp` to have shape \(2, 3\).*\(3,\)"):
         F.mean_lift(sums, uniform, F.row_plogp(sums.mean(dim=0)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_pairs_and_one_way_pairs_equal_a_python_sort_of_every_pair_with_many_ties(seed):
+    g = torch.Generator().manual_seed(seed)
+    size = 40
+    # Values on a coarse grid: many exact ties in the score, and in the gap that breaks them.
+    p = torch.randint(0, 6, (size, size), generator=g).double() / 5
+    counts = torch.randint(0, 4, (size, size), generator=g)
+    score = torch.randint(-3, 4, (size, size), generator=g).double()
+    score[0, :5] = float("nan")
+    for k in (0, 1, 3, 10, 50, size * size):
+        expected = sorted(
+            ((-float(score[a, b]), a * size + b) for a in range(size) for b in range(size) if counts[a, b] >= 2),
+            key=lambda item: item,
+        )
+        expected = [(i // size, i % size, -s) for s, i in expected if math.isfinite(s)][:k]
+        assert F.top_pairs(score, counts, k, min_support=2) == expected, k
+        one_way = []
+        for a in range(size):
+            for b in range(size):
+                forward, backward = float(p[a, b]), float(p[b, a])
+                if counts[a, b] >= 2 and counts[b, a] >= 2 and forward > backward:
+                    gap = forward - backward
+                    one_way.append((-(gap / (forward + backward)), -gap, a * size + b))
+        expected = [(i // size, i % size, -s) for s, _, i in sorted(one_way)][:k]
+        got = F.one_way_pairs(p, counts, k, min_support=2)
+        assert [(a, b) for a, b, _ in got] == [(a, b) for a, b, _ in expected], k
+        assert all(math.isclose(x[2], y[2], rel_tol=1e-12) for x, y in zip(got, expected, strict=True))
