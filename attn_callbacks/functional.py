@@ -692,13 +692,14 @@ def js_divergence(p: Tensor, q: Tensor, p_plogp: Tensor | None = None, q_plogp: 
             ],
             dim=-1,
         )
-    p, q = _normalize_rows(p), _normalize_rows(q)
+    p_mass, q_mass = p.sum(dim=-1, keepdim=True), q.sum(dim=-1, keepdim=True)
+    # As _normalize_rows does, bit for bit (an epoch compared with itself must give exactly 0); new tensors, ours.
+    p, q = safe_divide(p, p_mass), safe_divide(q, q_mass)
     p_plogp = _x_log_x(p) if p_plogp is None else p_plogp
     q_plogp = _x_log_x(q) if q_plogp is None else q_plogp
     # ½ KL(p‖m) + ½ KL(q‖m) = ½ (Σ p log p + Σ q log q) - Σ m log m, as Σ p log m + Σ q log m = 2 Σ m log m.
-    js = (p_plogp + q_plogp) / 2 - _x_log_x((p + q).mul_(0.5))
-    p_mass, q_mass = p.sum(dim=-1), q.sum(dim=-1)
-    both = (p_mass > 0) & (q_mass > 0)
+    js = (p_plogp + q_plogp) / 2 - _x_log_x(p.add_(q).mul_(0.5))
+    both = (p_mass[..., 0] > 0) & (q_mass[..., 0] > 0)
     return torch.where(both, js, 0.0).clamp(min=0)
 
 
@@ -753,8 +754,9 @@ def attention_drift(
         return (js_rows * weights[index]).sum(dim=-1)
 
     def change_block(r: slice) -> Tensor:  # ‖P_t - P_s‖² and ‖P_s‖² over these rows, (2, ...)
-        now, then = current[..., r, :], reference[..., r, :]
-        return torch.stack([(now - then).square().sum(dim=(-1, -2)), then.square().sum(dim=(-1, -2))])
+        now, then = current[..., r, :], reference[..., r, :].to(current.dtype)
+        # Norms are one pass each, with no squared temporary.
+        return torch.stack([torch.linalg.vector_norm(x, dim=(-1, -2)).square() for x in (now - then, then)])
 
     rows_js = current.new_full((*batch, supported.numel()), float("nan")) if row_divergence else None
     if 2 * int(supported.sum()) >= supported.numel():  # most rows count: one pass, each block read in place once
