@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import math
+import struct
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -11,7 +12,6 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
-from PIL import Image
 
 __all__ = [
     "FigureCache",
@@ -259,12 +259,37 @@ def figure_to_array(figure: Figure) -> np.ndarray:
 
 
 def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:
-    """An ``(H, W, 3)`` uint8 RGB array (or ``(H, W, 4)`` RGBA, its alpha dropped) as RGB PNG bytes. Level 1
-    compresses a heatmap almost as well as the default 6 (flat colour areas) in about half the time; the pixels are
-    the same."""
-    buffer = io.BytesIO()
-    Image.fromarray(image).convert("RGB").save(buffer, format="PNG", compress_level=compress_level)
-    return buffer.getvalue()
+    """An ``(H, W, 3)`` uint8 RGB array (or ``(H, W, 4)`` RGBA, its alpha dropped) as RGB PNG bytes.
+
+    Every scanline uses the PNG "Up" filter (each byte minus the byte above it): a heatmap's cells repeat row after
+    row, so the filtered image is mostly zeros, and zlib level 1 then compresses it smaller than Pillow's encoder
+    (which tries every filter on every row, with no option to skip that) in about half its time. Any PNG reader
+    decodes it to the same pixels.
+    """
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] not in (3, 4):
+        raise ValueError(
+            "Expected argument `image` to be an (H, W, 3) or (H, W, 4) uint8 array, "
+            f"but got {image.dtype} {image.shape}"
+        )
+    height, width = image.shape[:2]
+    rgb = np.ascontiguousarray(image[..., :3]).reshape(height, width * 3)
+    rows = np.empty((height, 1 + width * 3), dtype=np.uint8)  # one filter-type byte, then the filtered row
+    rows[:, 0] = 2  # Up; the first row's "above" is zeros, so it is stored as is
+    rows[:1, 1:] = rgb[:1]
+    np.subtract(rgb[1:], rgb[:-1], out=rows[1:, 1:])  # modulo 256, as PNG filters are
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, adaptive filters, no interlace
+    return b"".join(
+        [
+            b"\x89PNG\r\n\x1a\n",
+            chunk(b"IHDR", header),
+            chunk(b"IDAT", zlib.compress(rows.data, compress_level)),
+            chunk(b"IEND", b""),
+        ]
+    )
 
 
 class FigureCache:

@@ -134,3 +134,25 @@ def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
     assert np.array_equal(again, pixels_a)
     grid = render.head_grid(np.stack([small, large]), labels, labels, "G", "P", vmax=3.0)
     assert all(ax.get_images()[0].get_clim() == (0.0, 3.0) for ax in grid.axes[:2])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3), (1, 7, 4), (9, 1, 3), (37, 53, 3), (40, 31, 4)])
+def test_png_bytes_decode_to_the_same_pixels_for_any_size_and_noise(shape):
+    image = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
+    decoded = Image.open(io.BytesIO(render.png_bytes(image)))
+    assert decoded.mode == "RGB" and decoded.size == (shape[1], shape[0])
+    assert np.array_equal(np.asarray(decoded), image[..., :3])
+
+
+def test_png_bytes_of_a_heatmap_is_smaller_than_pillows_and_bad_images_are_refused():
+    labels = [f"tok{i}" for i in range(30)]
+    pixels = render.figure_to_array(render.heatmap(np.random.default_rng(0).random((30, 30)), labels, labels, "T", "P"))
+    ours = render.png_bytes(pixels)
+    theirs = io.BytesIO()
+    Image.fromarray(pixels).save(theirs, format="PNG", compress_level=1)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(ours))), pixels)
+    assert len(ours) < len(theirs.getvalue())
+    with pytest.raises(ValueError, match=r"`image` to be an \(H, W, 3\) or .* uint8 array, but got float32"):
+        render.png_bytes(np.zeros((4, 4, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match=r"but got uint8 \(4, 4\)"):
+        render.png_bytes(np.zeros((4, 4), dtype=np.uint8))
