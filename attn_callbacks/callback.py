@@ -530,12 +530,11 @@ class AttentionMonitor(Callback):
         step = trainer.global_step
         self._derived.clear()  # nothing left from an epoch that failed before _remember
         for name, stats in all_stats.items():
-            spare = self._spare.pop(name, None)
             sums = stats.attention_sum
-            if spare is not None and (spare.shape, spare.dtype, spare.device) == (sums.shape, sums.dtype, sums.device):
+            # Only an epoch that _remember keeps uses the spare (on GPU, _remember copies P into it instead).
+            spare = self._take_spare(name, sums.shape, sums.dtype, sums.device) if drift_epoch else None
+            if spare is not None:
                 stats.attention_mass = F.attention_mass(sums, stats.query_count, out=spare)  # the cached property
-            elif spare is not None:
-                self._spare[name] = spare  # on GPU: the CPU copy of the snapshot goes there (_remember)
         finished = False
         try:
             for name, stats in all_stats.items():
@@ -596,6 +595,7 @@ class AttentionMonitor(Callback):
         self._tracked.update(state_dict.get("tracked_ids") or {})
         self._color_limits = dict(state_dict.get("color_limits") or {})
         self._compact_tables.clear()
+        self._spare.clear()
 
     # ----------------------------------------------------------------------------------------------------- internals
     def _monitored(self, trainer: Trainer) -> bool:
@@ -806,10 +806,10 @@ class AttentionMonitor(Callback):
         for name, stats in all_stats.items():
             # P = S / Q is a tensor of its own (no copy needed on CPU); Q is a view of the state, which is zeroed in
             # place for the next epoch: a copy. row_plogp(P) and mean_h P as _log_module computed them, if it did.
-            mass, spare = stats.attention_mass.detach(), self._spare.pop(name, None)
-            fits = spare is not None and (spare.shape, spare.dtype) == (mass.shape, mass.dtype)
-            if mass.device.type != "cpu" and fits:
-                mass = spare.copy_(mass)
+            mass = stats.attention_mass.detach()
+            if mass.device.type != "cpu":
+                spare = self._take_spare(name, mass.shape, mass.dtype, torch.device("cpu"))
+                mass = mass if spare is None else spare.copy_(mass)
             snapshot[name] = {
                 "attention_mass": mass.cpu(),
                 "query_count": stats.query_count.to("cpu", copy=True),
@@ -823,13 +823,36 @@ class AttentionMonitor(Callback):
         wanted = self.drift_reference_epoch
         if self._reference_epoch is None and (wanted is None or wanted == epoch):
             self._reference, self._reference_epoch = snapshot, epoch
+        # A retired P is ours to reuse only if no snapshot still in use shares its memory, and nothing outside (a
+        # state dict being written by a checkpoint thread, say) refers to it: no more references than a stand-in
+        # held the same way (a dict entry and a local) has, whatever this Python counts.
+        stand_in = object()
+        held = {"attention_mass": stand_in}  # as a snapshot holds its P
+        ours = sys.getrefcount(stand_in)
+        del held
+        live = {
+            m[name]["attention_mass"].untyped_storage().data_ptr()
+            for m in (kept, self._reference, snapshot)
+            for name in m
+        }
         for name, memory in retired.items():
             mass = memory["attention_mass"]
-            # Ours to reuse only if no snapshot still in use holds it, and nothing outside (a checkpoint's state dict
-            # still being written, say) refers to it: the dict entry, the local and getrefcount's argument.
-            in_use = any(m.get(name, {}).get("attention_mass") is mass for m in (kept, self._reference, snapshot))
-            if not in_use and sys.getrefcount(mass) <= 3:
+            if mass.untyped_storage().data_ptr() not in live and sys.getrefcount(mass) <= ours:
                 self._spare[name] = mass
+
+    def _take_spare(self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """The module's spare buffer, if it can receive a ``P`` of this shape, dtype and device here (an inference
+        tensor can only be written inside inference mode, a normal one only outside); a spare that no longer fits
+        the model is dropped."""
+        spare = self._spare.get(name)
+        if spare is None:
+            return None
+        if (spare.shape, spare.dtype, spare.device) != (shape, dtype, device):
+            del self._spare[name]
+            return None
+        if spare.is_inference() != torch.is_inference_mode_enabled():
+            return None
+        return self._spare.pop(name)
 
     def _export(self, trainer: Trainer, all_stats: dict[str, AttentionStats], directory: Path) -> None:
         path = directory / f"epoch={trainer.current_epoch:04d}-step={trainer.global_step}"

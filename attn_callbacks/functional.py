@@ -253,7 +253,7 @@ def accumulate_attention(
         raise ValueError(f"Expected `sums` to have H + 1 = {num_heads + 1} or 2 rows, but got {sums.shape[0]}")
     zero = weights.new_zeros((), dtype=dtype)
     # Nothing to mask (no padding, no dropped row): known for free on CPU; asking a GPU would cost a sync.
-    keep_all = not weights.is_cuda and bool(kept.all())
+    keep_all = weights.device.type == "cpu" and bool(kept.all())
     for start in range(0, batch, chunk):
         stop = min(start + chunk, batch)
         size = stop - start
@@ -513,12 +513,16 @@ def _at_least_kth(score: Tensor, k: int, *others: Tensor) -> tuple[Tensor, ...]:
     """``(score, *others)`` kept where ``score`` is at least its ``k``-th largest value, in their order: the first
     ``k`` of a stable descending sort are among them, ties included, so sorting these few gives the same ``k`` as
     sorting all (millions of candidate pairs for a large vocabulary)."""
+    if k < 0:
+        raise ValueError(f"Expected argument `k` to be a non-negative integer, but got {k}")
     if score.numel() <= k:
         return score, *others
-    if k <= 0:
-        keep = torch.zeros_like(score, dtype=torch.bool)
-    else:
-        keep = score >= torch.topk(score, k, sorted=False).values.min()
+    if k == 0:
+        return score[:0], *(other[:0] for other in others)
+    threshold = torch.topk(score, k, sorted=False).values.min()
+    if torch.isnan(threshold):  # NaN ranks above everything in a descending sort: keep all, sort them all
+        return score, *others
+    keep = score >= threshold
     return score[keep], *(other[keep] for other in others)
 
 

@@ -262,13 +262,13 @@ def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:
     """An ``(H, W, 3)`` uint8 RGB array (or ``(H, W, 4)`` RGBA, its alpha dropped) as RGB PNG bytes.
 
     Every scanline uses the PNG "Up" filter (each byte minus the byte above it): a heatmap's cells repeat row after
-    row, so the filtered image is mostly zeros, and zlib level 1 then compresses it smaller than Pillow's encoder
-    (which tries every filter on every row, with no option to skip that) in about half its time. Any PNG reader
-    decodes it to the same pixels.
+    row, so the filtered image is mostly zeros, and zlib level 1 then compresses it about as small as Pillow's
+    encoder (which tries every filter on every row, with no option to skip that) in about half its time. Any PNG
+    reader decodes it to the same pixels. Unlike Pillow, it takes 8-bit RGB(A) only: what the Agg canvas holds.
     """
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] not in (3, 4):
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] not in (3, 4) or 0 in image.shape:
         raise ValueError(
-            "Expected argument `image` to be an (H, W, 3) or (H, W, 4) uint8 array, "
+            "Expected argument `image` to be a non-empty (H, W, 3) or (H, W, 4) uint8 array, "
             f"but got {image.dtype} {image.shape}"
         )
     height, width = image.shape[:2]

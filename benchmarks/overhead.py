@@ -8,7 +8,9 @@ Configurations, interleaved round by round so that machine noise hits them alike
 - floor: every attention module forced to return weights, each weight read once (``weights.sum()``): the least any
   vocabulary × vocabulary accumulation could cost;
 - AttentionMonitor (reference): the callback as users run it (tracked to 2,048 ids + <other>, per head, every image,
-  table and scalar of the epoch logged), after a first epoch that chose the tracked ids;
+  table and scalar of the epoch logged), in its steady state: after three warm-up epochs (the first chooses the tracked
+  ids and draws every figure in full; the first three fill the drift memory: reference, previous and the spare
+  buffer that the next epoch's P is written into), as in every later epoch of a training run;
 - AttentionMonitor per_head=False: the same keeping only the head-averaged sums (the cheapest knob);
 - naive: the approach of the question in seeds/000 done naively, a Python loop over query positions adding each
   weight row into the vocabulary matrix (timed on 2 batches only: it is slow).
@@ -17,9 +19,10 @@ Target: AttentionMonitor / model only <= 1.20 on CPU (<= 1.05 on GPU). "epoch en
 work (sums to metrics, images, tables); "added ms/batch" is the rest, spread over the batches. The epoch end is paid
 once per epoch whatever its length, so "x without epoch end" (each round's epoch less its own epoch end, over the
 same round's model-only epoch) is where the ratio goes as validation epochs grow, and "1.20x from" the epoch length
-at which the medians would reach the target: ``N`` batches with ``(N (m + a) + e) / (N m) <= 1.20`` for ``m`` the
-model-only time per batch, ``a`` the added time per batch and ``e`` the epoch end (derived from the medians, not
-timed). Two tables: wall clock (the target's measure) and CPU time of every thread of the process, which leaves out
+at which it would reach the target: ``N`` batches with ``(N (m + a) + e) / (N m) <= 1.20`` for ``m`` the model-only
+time per batch, ``a`` the added time per batch and ``e`` the epoch end (derived, not timed: per round, from that
+round's own timings, then the median over rounds; "added ms/batch" is likewise the median of the rounds' own).
+Two tables: wall clock (the target's measure) and CPU time of every thread of the process, which leaves out
 the time a shared virtual machine's host takes away (steal time) and so varies less between runs there.
 """
 
@@ -37,6 +40,8 @@ from lightning.pytorch import Callback
 from _workload import BATCH, HEADS, LAYERS, LENGTH, VOCAB, Encoder, quiet, summary, token_ids, validate
 from attn_callbacks import AttentionMonitor
 from attn_callbacks.capture import AttentionCapture, find_attention_modules
+
+WARM_UP_EPOCHS = 3
 
 
 class WeightsReader(Callback):
@@ -78,14 +83,15 @@ def naive_loop(sums: dict[str, torch.Tensor], vocab: int):
     return consume
 
 
-def batches_for_target(model: float, added: float, end: float, target: float = 1.20) -> str:
+def batches_for_target(model: float, added: float, end: float, target: float = 1.20) -> float:
     """The fewest batches per epoch with ``(N (model + added) + end) / (N model) <= target`` (seconds per batch,
-    seconds per epoch end), or "never" when the per-batch cost alone is over the target."""
+    seconds per epoch end); infinity when the per-batch cost alone is over the target."""
     room = (target - 1) * model - added  # seconds per batch left to pay for the epoch end
-    if room <= 0:
-        return "never"
-    batches = max(1, math.ceil(end / room))
-    return f"{batches} batch" + ("es" if batches > 1 else "")
+    return math.inf if room <= 0 else max(1, math.ceil(end / room))
+
+
+def batches_text(batches: float) -> str:
+    return "never" if math.isinf(batches) else f"{int(batches)} batch" + ("es" if batches > 1 else "")
 
 
 class TimedMonitor(AttentionMonitor):
@@ -128,7 +134,8 @@ def main() -> None:
             ),
         }
         for monitor in monitors.values():
-            validate(model, batches, [monitor])  # warm-up; chooses and freezes the tracked ids
+            for _ in range(WARM_UP_EPOCHS):  # tracked ids chosen, figures drawn once, drift memory filled
+                validate(model, batches, [monitor])
             monitor.epoch_end = []
         configs = {"model only": list, "floor (read weights once)": lambda: [WeightsReader(floor)]}
         configs.update({name: (lambda m=m: [m]) for name, m in monitors.items()})
@@ -145,8 +152,17 @@ def main() -> None:
                 ends = [e[clock] for e in monitors[name].epoch_end] if name in monitors else [0.0] * len(values)
                 loop = [(t - e) / b for t, e, b in zip(values, ends, models, strict=True)]
                 end = statistics.median(ends)
-                added = (statistics.median(values) - base - end) / args.batches * 1e3
-                target = batches_for_target(base / args.batches, added / 1e3, end) if name in monitors else "-"
+                # Per round, from that round's own timings (rounds differ by more than the callback on a busy VM).
+                per_round = [
+                    ((t - e - b) / args.batches, b / args.batches, e)
+                    for t, e, b in zip(values, ends, models, strict=True)
+                ]
+                added = statistics.median(a for a, _, _ in per_round) * 1e3
+                target = (
+                    batches_text(statistics.median(batches_for_target(m, a, e) for a, m, e in per_round))
+                    if name in monitors
+                    else "-"
+                )
                 lines.append(
                     f"{distribution:8} {name:32} {statistics.median(values):8.2f} {summary(ratios):>27} {end:11.2f} "
                     f"{added:14.1f} {summary(loop):>22} {target:>16}"

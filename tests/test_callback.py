@@ -1050,10 +1050,14 @@ def test_callback_interrupted_wait_for_the_writer_thread_stops_it_and_drops_what
     copy.deepcopy(monitor)
 
 
-def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_path):
+@pytest.mark.parametrize("per_head", [True, False])
+def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_path, per_head):
     class Recorder(AttentionMonitor):
         def on_validation_epoch_end(self, trainer, pl_module):
             super().on_validation_epoch_end(trainer, pl_module)
+            if trainer.sanity_checking:  # monitored, but never a drift epoch: no snapshot, no spare used
+                assert not self._previous and not self._spare
+                return
             self.seen = getattr(self, "seen", [])
             mass = self._previous["encoder.layers.0.self_attn"]["attention_mass"]
             self.seen.append((mass.data_ptr(), mass.clone()))
@@ -1063,9 +1067,9 @@ def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_p
                 self.held = self.state_dict()  # a state dict kept by someone: its tensors must stay as they are
                 self.held_copy = copy.deepcopy(self.held)
 
-    monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD])
+    monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD], per_head=per_head, log_sanity_check=True)
     train, val = loaders()
-    trainer(tmp_path, [monitor], max_epochs=6, num_sanity_val_steps=0, logger=CSVLogger(tmp_path)).fit(
+    trainer(tmp_path, [monitor], max_epochs=6, num_sanity_val_steps=2, logger=CSVLogger(tmp_path)).fit(
         TinyEncoder(), train, val
     )
     pointers = [pointer for pointer, _ in monitor.seen]

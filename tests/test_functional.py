@@ -822,3 +822,16 @@ def test_top_pairs_and_one_way_pairs_equal_a_python_sort_of_every_pair_with_many
         got = F.one_way_pairs(p, counts, k, min_support=2)
         assert [(a, b) for a, b, _ in got] == [(a, b) for a, b, _ in expected], k
         assert all(math.isclose(x[2], y[2], rel_tol=1e-12) for x, y in zip(got, expected, strict=True))
+
+
+def test_one_way_pairs_keeps_a_nan_score_first_and_k_must_not_be_negative():
+    inf = float("inf")
+    p = torch.tensor([[0.0, inf, 0.5], [1.0, 0.0, 0.2], [0.1, 0.1, 0.0]])  # (0, 1): inf / inf = NaN
+    counts = torch.ones(3, 3, dtype=torch.long)
+    (a, b, score), *rest = F.one_way_pairs(p, counts, k=1)
+    assert (a, b) == (0, 1) and math.isnan(score) and rest == []
+    assert [(a, b) for a, b, _ in F.one_way_pairs(p, counts, k=5)] == [(0, 1), (0, 2), (1, 2)]
+    with pytest.raises(ValueError, match="`k` to be a non-negative integer, but got -1"):
+        F.one_way_pairs(p, counts, k=-1)
+    with pytest.raises(ValueError, match="`k` to be a non-negative integer, but got -2"):
+        F.top_pairs(p, counts, k=-2)
