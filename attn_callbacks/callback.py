@@ -975,7 +975,7 @@ class AttentionMonitor(Callback):
             )
         if writer is not None:
             self._write_images_and_text(
-                writer, name, layer, stats, mass, mass_heads, sum_mean, previous, reference, moved, step, prefix, suffix
+                writer, name, layer, stats, mass, mass_heads, sum_mean, reference, moved, step, prefix, suffix
             )
 
     def _check_collapse(self, name: str, entropy_normalized: Tensor, query_count: Tensor) -> None:
@@ -999,7 +999,6 @@ class AttentionMonitor(Callback):
         mass: Tensor,
         mass_heads: Tensor,
         sum_mean: Tensor,
-        previous: dict[str, Tensor] | None,
         reference: dict[str, Tensor] | None,
         moved: dict[str, Tensor],
         step: int,
