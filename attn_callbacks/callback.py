@@ -457,7 +457,7 @@ class AttentionMonitor(Callback):
                         metric = AttentionAccumulator(*sizes, mean_of_heads=not self.per_head)
                         self._metrics[(name, idx)] = metric
                     metric.to(device)
-                    if metric.update_count:  # left over from an interrupted epoch; else already zero
+                    if metric.update_count or metric.summed_in_place:  # an interrupted epoch's; else zero
                         metric.reset()
         for key in [key for key in self._metrics if key[1] >= loaders]:  # fewer loaders than last time
             del self._metrics[key]
@@ -511,8 +511,8 @@ class AttentionMonitor(Callback):
                 "skipped; scalars are still logged to the Trainer's loggers.",
             )
         writer = writer if trainer.is_global_zero else None
-        # A collective under DDP. Views of the state, not torchmetrics' copy: the state is reset right after use.
-        per_loader = {key: metric.stats() for key, metric in self._metrics.items()}
+        # A collective under DDP. Views of the state, summed in place, with no copy: it is reset right after use.
+        per_loader = {key: metric.stats(in_place=True) for key, metric in self._metrics.items()}
         loaders = 1 + max(idx for _, idx in per_loader)
         all_stats = {
             name: merge_stats([per_loader[(name, idx)] for idx in range(loaders)]) if loaders > 1 else stats

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from attn_callbacks import functional as F
 
@@ -126,6 +128,7 @@ class AttentionAccumulator(Metric):
         self.query_vocab_size = query_vocab_size
         self.key_vocab_size = key_vocab_size
         self.mean_of_heads = bool(mean_of_heads)
+        self._summed_in_place = False
         self._shapes = self._state_shapes(num_heads, query_vocab_size, key_vocab_size, self.mean_of_heads)
         # Created as normal tensors (never inside inference mode) so they can be updated in place anywhere.
         with torch.inference_mode(False):
@@ -171,6 +174,11 @@ class AttentionAccumulator(Metric):
         ``pairs`` is :func:`attn_callbacks.functional.pair_index` of the ids, when the caller already has it (it
         depends on the ids only, so modules reading the same streams can share it).
         """
+        if self.summed_in_place:
+            raise RuntimeError(
+                "AttentionAccumulator.update: the state holds every process's sums (stats(in_place=True)); adding to "
+                "it would count them again. reset() first"
+            )
         if pairs is None:
             pairs = F.pair_index(query_ids, key_ids, query_valid, key_valid, self.query_vocab_size, self.key_vocab_size)
         skipped = F.accumulate_attention(
@@ -191,11 +199,49 @@ class AttentionAccumulator(Metric):
         ``M = S / C`` per head are derived on access. torchmetrics returns a copy; see :meth:`stats` for views."""
         return self._unpack()
 
-    def stats(self) -> AttentionStats:
+    def stats(self, in_place: bool = False) -> AttentionStats:
         """What :meth:`compute` returns, summed across processes like it, but as views of the state, without the copy
-        torchmetrics makes (hundreds of MB for a large vocabulary). Valid until the next update or reset."""
-        with self.sync_context(dist_sync_fn=self.dist_sync_fn):
-            return self._unpack()
+        torchmetrics makes (hundreds of MB for a large vocabulary). Valid until the next update or reset.
+
+        Args:
+            in_place: under DDP, sum across processes into the state itself. The usual sync first copies the local
+                state to restore afterwards (a second copy of the state on each device); in place keeps none, for a
+                caller that resets right after. Until :meth:`reset`, :attr:`summed_in_place` is true and
+                :meth:`update` and :meth:`stats` refuse. The same as the default in a single process.
+        """
+        if self.summed_in_place:
+            raise RuntimeError(
+                "AttentionAccumulator.stats: the state was already summed across processes in place; reset() first"
+            )
+        if not in_place:
+            with self.sync_context(dist_sync_fn=self.dist_sync_fn):
+                return self._unpack()
+        available = self.distributed_available_fn
+        if callable(available) and available():
+            self._sync_dist(self.dist_sync_fn or gather_all_tensors, self.process_group)
+            self._summed_in_place = True
+            self._is_synced = True  # so that torchmetrics' compute() refuses too; reset() clears both
+        return self._unpack()
+
+    @property
+    def summed_in_place(self) -> bool:
+        """Whether :meth:`stats` summed the state across processes in place (until :meth:`reset`)."""
+        return self._summed_in_place
+
+    def _sync_dist(self, dist_sync_fn: Callable = gather_all_tensors, process_group: Any | None = None) -> None:
+        """Sum every state across processes in place, one ``all_reduce`` per state.
+
+        torchmetrics' default gathers each rank's copy and stacks them before summing: ``2 W + 1`` copies of the
+        state at once per module for ``W`` processes (hundreds of MB each for a large vocabulary, and slower to send
+        than a reduction). :meth:`sync` has already kept a copy of the local state, which ``unsync`` puts back, so in
+        place the peak is 2 copies whatever ``W``. A caller's own ``dist_sync_fn`` takes torchmetrics' general path.
+        """
+        if dist_sync_fn is not gather_all_tensors:
+            super()._sync_dist(dist_sync_fn, process_group)
+            return
+        group = process_group or self.process_group
+        for name in self._reductions:
+            torch.distributed.all_reduce(getattr(self, name), op=torch.distributed.ReduceOp.SUM, group=group)
 
     def _unpack(self) -> AttentionStats:
         heads, vocab_q, vocab_k = self.sums.shape[0] - 1, self.query_vocab_size, self.key_vocab_size
@@ -216,6 +262,7 @@ class AttentionAccumulator(Metric):
         with torch.inference_mode(False):
             current = {name: getattr(self, name) for name in self._shapes}
             super().reset()  # torchmetrics' counters and caches; the states become the empty defaults
+            self._summed_in_place = False
             for name, (shape, _) in self._shapes.items():
                 tensor = current[name]
                 if tuple(tensor.shape) == shape and not tensor.is_inference():

@@ -87,3 +87,69 @@ def test_accumulator_holds_one_copy_of_its_state_and_reset_zeroes_it():
     assert acc.sums.shape == (4, 25) and acc.sums.dtype == torch.float32 and not acc.sums.any()
     assert acc.pair_count.dtype == torch.long and acc.skipped_rows.shape == () and not acc.query_count.any()
     assert sum(t.numel() * t.element_size() for t in acc.metric_state.values()) == held
+
+
+def _sync_rank(rank: int, store_path: str, out_path: str) -> None:
+    """One of two gloo ranks: rank r updates with every second batch, from batch r on."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        acc, local = AttentionAccumulator(3, 6, 4), AttentionAccumulator(3, 6, 4)
+        for n, (w, q, k) in enumerate(batches()):
+            if n % 2 == rank:
+                for metric in (acc, local):
+                    metric.update(w, q, k, q != 5, k != 0)
+
+        def no_gather(*args, **kwargs):
+            raise AssertionError("the state was gathered")
+
+        dist.all_gather = no_gather  # this process only: the sync must be a reduction, never a gather
+        first = {field: getattr(acc.stats(), field).clone() for field in _SUMS}
+        second = {field: getattr(acc.stats(), field).clone() for field in _SUMS}  # the local state came back
+        restored = all(torch.equal(getattr(acc, name), getattr(local, name)) for name in acc._reductions)
+        # in place: the same sums, in the state itself (no local copy kept), and nothing adds to them until reset
+        summed = acc.stats(in_place=True)
+        third = {field: getattr(summed, field).clone() for field in _SUMS}
+        no_copy = summed.attention_sum.untyped_storage().data_ptr() == acc.sums.untyped_storage().data_ptr()
+        refused = []
+        w, q, k = next(batches())
+        for call in (lambda: acc.update(w, q, k, q != 5, k != 0), acc.stats, acc.compute):
+            try:
+                call()
+            except Exception as error:  # which calls refuse, and with what message, is the result
+                refused.append(str(error))
+        acc.reset()
+        reset = not acc.summed_in_place and not acc.sums.any()
+        torch.save(
+            {
+                "first": first,
+                "second": second,
+                "third": third,
+                "restored": restored,
+                "no_copy": no_copy,
+                "refused": refused,
+                "reset": reset,
+            },
+            out_path.format(rank),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_accumulator_sync_sums_ranks_in_place_without_gathering(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sync_rank, args=(str(tmp_path / "store"), str(tmp_path / "rank{}.pt")), nprocs=2)
+    single = AttentionAccumulator(3, 6, 4)
+    for w, q, k in batches():
+        single.update(w, q, k, q != 5, k != 0)
+    expected = single.compute()
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["restored"] and saved["no_copy"] and saved["reset"], rank
+        assert len(saved["refused"]) == 3, saved["refused"]
+        assert "count them again" in saved["refused"][0] and "already summed" in saved["refused"][1]
+        for field in _SUMS:
+            for which in ("first", "second", "third"):
+                torch.testing.assert_close(saved[which][field], getattr(expected, field), msg=f"{rank} {which} {field}")
