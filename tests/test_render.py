@@ -120,11 +120,11 @@ def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
     small[0, 0] = large[0, 0] = 0.2  # one cell with the same value in both
     a = render.heatmap(small, labels, labels, "T", "P", vmax=1.0)
     b = render.heatmap(large, labels, labels, "T", "P", vmax=1.0)
-    assert a.axes[0].get_images()[0].get_clim() == (0.0, 1.0)
+    assert a.axes[0].collections[0].get_clim() == (0.0, 1.0)
     pixels_a, pixels_b = render.figure_to_array(a), render.figure_to_array(b)
     ax = a.axes[0]
     FigureCanvasAgg(a).draw()
-    x, y = ax.transData.transform((0, 0))  # centre of cell [0, 0]
+    x, y = ax.transData.transform((0.5, 0.5))  # centre of cell [0, 0]
     row, col = int(a.bbox.height - y), int(x)
     assert np.array_equal(pixels_a[row, col], pixels_b[row, col])  # same value, same colour
     assert not np.array_equal(pixels_a[row, col + 40], pixels_b[row, col + 40])  # 0.2 vs 0.8
@@ -133,7 +133,7 @@ def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
     again = cache.heatmap("m", small, labels, labels, "T", "P", vmax=1.0)
     assert np.array_equal(again, pixels_a)
     grid = render.head_grid(np.stack([small, large]), labels, labels, "G", "P", vmax=3.0)
-    assert all(ax.get_images()[0].get_clim() == (0.0, 3.0) for ax in grid.axes[:2])
+    assert all(ax.collections[0].get_clim() == (0.0, 3.0) for ax in grid.axes[:2])
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 3), (1, 7, 4), (9, 1, 3), (37, 53, 3), (40, 31, 4)])
@@ -158,3 +158,37 @@ def test_png_bytes_of_a_heatmap_is_smaller_than_pillows_and_bad_images_are_refus
         render.png_bytes(np.zeros((4, 4), dtype=np.uint8))
     with pytest.raises(ValueError, match=r"non-empty .* but got uint8 \(0, 4, 3\)"):
         render.png_bytes(np.zeros((0, 4, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("diverging", [False, True])
+def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(diverging):
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    rows, cols = 5, 7
+    matrix = np.arange(rows * cols, dtype=float).reshape(rows, cols) / (rows * cols)  # every cell a different value
+    if diverging:
+        matrix -= 0.5
+    matrix[2, 3] = np.nan
+    labels_r, labels_c = [f"q{i}" for i in range(rows)], [f"k{j}" for j in range(cols)]
+    figure = render.heatmap(matrix, labels_r, labels_c, "T", "P", diverging=diverging, vmax=0.5 if diverging else 1.0)
+    pixels = render.figure_to_array(figure)
+    FigureCanvasAgg(figure).draw()
+    ax, height = figure.axes[0], figure.bbox.height
+    cmap = colormaps["RdBu_r" if diverging else "viridis"]
+    background = pixels[int(height - ax.transAxes.transform((0.5, 1.0))[1]) + 3, 3]  # the figure's white
+    for i in range(rows):
+        # Tick label i sits on row i: the query labels are in matrix order, top to bottom.
+        assert ax.get_yticklabels()[i].get_text() == labels_r[i]
+        for j in range(cols):
+            x, y = ax.transData.transform((j + 0.5, i + 0.5))
+            got = pixels[int(height - y), int(x)]
+            if np.isnan(matrix[i, j]):
+                assert np.array_equal(got, background), (i, j, got)
+                continue
+            value = (matrix[i, j] + 0.5) if diverging else matrix[i, j]  # both scales map [lo, hi] onto [0, 1]
+            expected = np.round(np.array(cmap(value)[:3]) * 255)
+            assert np.abs(got.astype(int) - expected).max() <= 1, (i, j, got, expected)
+    top = ax.transData.transform((0.5, 0.5))[1]
+    bottom = ax.transData.transform((0.5, rows - 0.5))[1]
+    assert top > bottom  # display y grows upwards: row 0 is drawn above the last row
