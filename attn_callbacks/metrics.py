@@ -218,9 +218,11 @@ class AttentionAccumulator(Metric):
                 return self._unpack()
         available = self.distributed_available_fn
         if callable(available) and available():
-            self._sync_dist(self.dist_sync_fn or gather_all_tensors, self.process_group)
+            # Set first: a collective that fails part-way leaves some states summed, and nothing may add to them.
             self._summed_in_place = True
             self._is_synced = True  # so that torchmetrics' compute() refuses too; reset() clears both
+            self._cache = None  # no local copy to go back to (nor a stale one from a sync that failed)
+            self._sync_dist(self.dist_sync_fn or gather_all_tensors, self.process_group)
         return self._unpack()
 
     @property
@@ -240,8 +242,14 @@ class AttentionAccumulator(Metric):
             super()._sync_dist(dist_sync_fn, process_group)
             return
         group = process_group or self.process_group
-        for name in self._reductions:
-            torch.distributed.all_reduce(getattr(self, name), op=torch.distributed.ReduceOp.SUM, group=group)
+        try:
+            for name in self._reductions:
+                torch.distributed.all_reduce(getattr(self, name), op=torch.distributed.ReduceOp.SUM, group=group)
+        except BaseException:
+            if self._cache is not None:  # sync() kept the local state: put it back, not a half-summed one
+                for name, value in self._cache.items():
+                    setattr(self, name, value)
+            raise
 
     def _unpack(self) -> AttentionStats:
         heads, vocab_q, vocab_k = self.sums.shape[0] - 1, self.query_vocab_size, self.key_vocab_size

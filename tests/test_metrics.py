@@ -121,6 +121,31 @@ def _sync_rank(rank: int, store_path: str, out_path: str) -> None:
                 refused.append(str(error))
         acc.reset()
         reset = not acc.summed_in_place and not acc.sums.any()
+        # A collective failing part-way: the default sync puts the local state back; in place, nothing adds to it.
+        acc.update(w, q, k, q != 5, k != 0)
+        before = {name: getattr(acc, name).clone() for name in acc._reductions}
+        reduce, calls = dist.all_reduce, []
+
+        def fail_every_second(*args, **kwargs):
+            calls.append(1)
+            if len(calls) % 2 == 0:
+                raise RuntimeError("lost a rank")
+            return reduce(*args, **kwargs)
+
+        dist.all_reduce = fail_every_second
+        for in_place in (False, True):
+            try:
+                acc.stats(in_place=in_place)
+            except RuntimeError as error:
+                refused.append(str(error))
+            if not in_place:
+                restored = restored and all(torch.equal(getattr(acc, n), before[n]) for n in acc._reductions)
+        dist.all_reduce = reduce
+        partial_refused = acc.summed_in_place
+        try:
+            acc.update(w, q, k, q != 5, k != 0)
+        except RuntimeError as error:
+            refused.append(str(error))
         torch.save(
             {
                 "first": first,
@@ -130,6 +155,7 @@ def _sync_rank(rank: int, store_path: str, out_path: str) -> None:
                 "no_copy": no_copy,
                 "refused": refused,
                 "reset": reset,
+                "partial_refused": partial_refused,
             },
             out_path.format(rank),
         )
@@ -148,7 +174,8 @@ def test_accumulator_sync_sums_ranks_in_place_without_gathering(tmp_path):
     for rank in range(2):
         saved = torch.load(tmp_path / f"rank{rank}.pt")
         assert saved["restored"] and saved["no_copy"] and saved["reset"], rank
-        assert len(saved["refused"]) == 3, saved["refused"]
+        assert saved["partial_refused"] and len(saved["refused"]) == 6, saved["refused"]
+        assert saved["refused"][3:5] == ["lost a rank"] * 2 and "count them again" in saved["refused"][5]
         assert "count them again" in saved["refused"][0] and "already summed" in saved["refused"][1]
         for field in _SUMS:
             for which in ("first", "second", "third"):
