@@ -531,8 +531,10 @@ class AttentionMonitor(Callback):
         self._derived.clear()  # nothing left from an epoch that failed before _remember
         for name, stats in all_stats.items():
             sums = stats.attention_sum
-            # Only an epoch that _remember keeps uses the spare (on GPU, _remember copies P into it instead).
-            spare = self._take_spare(name, sums.shape, sums.dtype, sums.device) if drift_epoch else None
+            # Only an epoch that _remember keeps uses the spare. The spare lives on the CPU: for P computed on
+            # another device, _remember copies P into it instead, so it is not taken (nor dropped) here.
+            on_cpu = sums.device.type == "cpu"
+            spare = self._take_spare(name, sums.shape, sums.dtype, sums.device) if drift_epoch and on_cpu else None
             if spare is not None:
                 stats.attention_mass = F.attention_mass(sums, stats.query_count, out=spare)  # the cached property
         finished = False
