@@ -107,14 +107,15 @@ def _draw(
     grid panels).
 
     Cells are a mesh of flat quads, not an image: matplotlib resamples an image to the output pixels and colour-maps
-    every pixel, ~4× slower at 30 × 30 cells (measured); NaN cells are left blank either way.
+    every pixel, ~4× slower at 30 × 30 cells (measured). NaN cells are left blank: matplotlib masks invalid values
+    when the mesh is made and at every ``set_array``.
     """
     if diverging:
         limit = vmax if vmax is not None else abs_max(matrix)
         norm = TwoSlopeNorm(0.0, -limit, limit)
-        mesh = ax.pcolormesh(_cells(matrix), cmap="RdBu_r", norm=norm, antialiased=False, snap=True)
+        mesh = ax.pcolormesh(matrix, cmap="RdBu_r", norm=norm, antialiased=False, snap=True)
     else:
-        mesh = ax.pcolormesh(_cells(matrix), cmap="viridis", vmin=0.0, vmax=vmax, antialiased=False, snap=True)
+        mesh = ax.pcolormesh(matrix, cmap="viridis", vmin=0.0, vmax=vmax, antialiased=False, snap=True)
     ax.invert_yaxis()
     if cols is None:
         ax.set_xticks([])
@@ -127,11 +128,6 @@ def _draw(
         ax.set_yticks(np.arange(len(rows)) + 0.5, rows, fontsize=size)
         ax.set_ylabel("query token (attending)", fontsize=8)
     return mesh
-
-
-def _cells(matrix: np.ndarray) -> np.ma.MaskedArray:
-    """The mesh's values: NaN cells masked (drawn in the colour map's transparent "bad" colour)."""
-    return np.ma.masked_invalid(matrix)
 
 
 def _text_inches(text: str, size: int) -> float:
@@ -412,7 +408,7 @@ class FigureCache:
         else:
             _, figure, canvas, meshes, colorbar_axes, background = entry
             for mesh, matrix in zip(meshes, panels, strict=True):
-                mesh.set_array(_cells(matrix))
+                mesh.set_array(matrix)
                 mesh.set_clim(-limit if diverging else 0.0, limit)
             canvas.restore_region(background)
         _, figure, canvas, meshes, colorbar_axes, _ = entry
