@@ -88,7 +88,9 @@ class AttentionMonitor(Callback):
       (attention-weighted geometric mean of ``S / U``), ``{prefix}_position/{stat}`` (entropy, normalised entropy,
       self / previous / next mass, distance, sink mass), ``{prefix}_drift/{js,frobenius}_{prev,ref}`` (weighted row
       Jensen–Shannon divergence and relative Frobenius change of ``P`` against the previous and the reference
-      monitored epoch) and ``{prefix}_skipped_rows``;
+      monitored epoch) and ``{prefix}_skipped_rows``; their ``/head_{h}`` variants go straight to the Trainer's
+      loggers at the same step (not into ``callback_metrics``: thousands of them in a large model would cost ~1 ms
+      each there);
     - images and text (TensorBoard only): heatmaps of ``P̄`` (``mass``), per head (``mass_heads``), ``P̄ - P̄ᵀ``
       (``asymmetry_map``), ``log2 lift`` (``lift_map``), ``P̄_t - P̄_ref`` (``drift_map``), probe position × position
       maps (``probe``); tables of one-way pairs, top-lift pairs, most-moved tokens and attention hubs (PageRank).
@@ -918,11 +920,12 @@ class AttentionMonitor(Callback):
             f"{prefix}_skipped_rows/{layer}{suffix}": stats.skipped_rows.float(),
         }
 
+        heads: dict[str, Tensor] = {}  # tag before "/head_{h}" -> (H,) values
+
         def add(tag: str, layer_value: Tensor, head_values: Tensor | None = None) -> None:
             scalars[f"{prefix}_{tag}/{layer}{suffix}"] = layer_value
             if self.per_head and head_values is not None:
-                for h, value in enumerate(head_values):
-                    scalars[f"{prefix}_{tag}/{layer}/head_{h}{suffix}"] = value
+                heads[f"{prefix}_{tag}/{layer}"] = head_values
 
         # Σ p log p of every row, (H, Vq) and (Vq,): shared by the entropy, the lift and every drift comparison.
         plogp_heads, plogp = F.row_plogp(mass_heads), F.row_plogp(mass)
@@ -968,6 +971,7 @@ class AttentionMonitor(Callback):
             # Already summed over ranks by compute(): sync_dist would only average equal numbers. Our own
             # dataloader suffixes replace Lightning's, which would otherwise append one for the current dataloader.
             pl_module.log(tag, value.float(), on_step=False, on_epoch=True, sync_dist=False, add_dataloader_idx=False)
+        _log_heads(pl_module.trainer, heads, suffix)
         self._check_collapse(name, positions["entropy_normalized"], query_count)
         if int(stats.skipped_rows) > 0:
             self._warn_once(
@@ -1241,6 +1245,28 @@ def _module_device(module: nn.Module) -> torch.device:
     for tensor in module.parameters():
         return tensor.device
     return torch.device("cpu")
+
+
+def _log_heads(trainer: Trainer, heads: dict[str, Tensor], suffix: str) -> None:
+    """Per-head scalars ``{tag}/head_{h}{suffix}`` straight to the Trainer's loggers, from global rank 0, at the step
+    Lightning gives the layer scalars logged through ``LightningModule.log`` in the same hook.
+
+    ``LightningModule.log`` keeps a result object per tag and walks it on every call (about 1 ms each: a model of
+    12 layers × 12 heads has thousands of per-head scalars), and would also fill ``callback_metrics`` and the table
+    ``trainer.validate`` prints with them. Like Lightning's own epoch-end logging, nothing is written during the
+    sanity check.
+    """
+    if not heads or trainer.sanity_checking or not trainer.is_global_zero or not trainer.loggers:
+        return
+    # Lightning's own step for epoch-end metrics (its LoggerConnector reads the same counter); global_step is one
+    # more at the end of a training epoch.
+    step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+    values = torch.stack([v.detach().double() for v in heads.values()]).cpu().tolist()  # (tags, H): one host sync
+    metrics = {
+        f"{tag}/head_{h}{suffix}": value for tag, row in zip(heads, values, strict=True) for h, value in enumerate(row)
+    }
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
 
 
 def _tensorboard_writer(trainer: Trainer) -> Any:

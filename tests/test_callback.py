@@ -119,9 +119,13 @@ def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_pat
         for name in (*every_epoch_scalars, *drift_scalars):
             values = [e.value for e in events.Scalars(f"attention_{name}/{layer}")]
             assert len(values) == (1 if name.startswith("drift") else 2) and all(math.isfinite(v) for v in values)
+            assert f"attention_{name}/{layer}" in t.callback_metrics
             if name != "skipped_rows":  # a per-layer count, no head
                 for h in range(2):
-                    assert len(events.Scalars(f"attention_{name}/{layer}/head_{h}")) == len(values)
+                    # Straight to the loggers, at the layer scalar's steps; not in callback_metrics.
+                    steps = [e.step for e in events.Scalars(f"attention_{name}/{layer}/head_{h}")]
+                    assert steps == [e.step for e in events.Scalars(f"attention_{name}/{layer}")]
+                    assert f"attention_{name}/{layer}/head_{h}" not in t.callback_metrics
         for table, count in (("one_way_pairs", 2), ("lift_pairs", 2), ("hubs", 2), ("drift_tokens", 1)):
             text = events.Tensors(f"attention_{table}/{layer}/text_summary")  # add_text's own suffix
             assert len(text) == count and text[-1].tensor_proto.string_val[0].startswith(b"| ")
@@ -210,6 +214,19 @@ def test_callback_without_tensorboard_logs_scalars_and_warns_once(tmp_path):
     with open(f"{t.logger.log_dir}/metrics.csv") as handle:
         text = handle.read()
     assert "attention_asymmetry/encoder.layers.0.self_attn" in text
+
+
+def test_callback_per_head_scalars_skip_the_sanity_check_like_lightnings_own_scalars(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], log_sanity_check=True)
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], max_epochs=1, num_sanity_val_steps=2)
+    t.fit(TinyEncoder(), train, val)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    layer = "attention_entropy/encoder.layers.0.self_attn"
+    assert len(events.Scalars(layer)) == 1  # epoch 0 only: Lightning drops what the sanity check logs
+    assert [e.step for e in events.Scalars(f"{layer}/head_1")] == [events.Scalars(layer)[0].step]
 
 
 def test_callback_scalars_reach_csv_and_tensorboard_with_the_same_values_and_images_only_tensorboard(tmp_path):
@@ -427,10 +444,15 @@ def test_callback_nan_rows_are_counted_skipped_and_warned_once(tmp_path):
     torch.testing.assert_close(stats.attention_mass.sum(-1)[:, seen], torch.ones(2, int(seen.sum())))
 
 
-def drift_scalars(log_dir):
+def last_scalars(log_dir, part=""):
+    """The last value of every scalar tag containing ``part`` in the event files under ``log_dir``."""
     events = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
     events.Reload()
-    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"] if "_drift/" in tag}
+    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"] if part in tag}
+
+
+def drift_scalars(log_dir):
+    return last_scalars(log_dir, "_drift/")
 
 
 def checkpointed_fit(tmp_path, name, max_epochs, ckpt_path=None):
@@ -497,7 +519,7 @@ def test_callback_sink_mass_and_position_statistics_of_a_model_forced_onto_token
     t = trainer(tmp_path, [monitor])
     with pytest.warns(UserWarning, match="head 0 of attention module 'attn' has normalised entropy 0.000"):
         t.validate(SinkModel(), DataLoader(batches, batch_size=None), verbose=False)
-    logged = {k: float(v) for k, v in t.callback_metrics.items()}
+    logged = last_scalars(t.logger.log_dir)
     expected = {
         "sink_mass": 1.0,  # every row puts all its weight on token 0
         "entropy": 0.0,
