@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+from matplotlib import transforms
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import QuadMesh
 from matplotlib.colors import TwoSlopeNorm
@@ -82,7 +83,9 @@ _CELL = 0.22  # inches per heatmap row or column
 _CHAR = 0.6 / 72  # inches per character per point of font size (a generous average glyph width)
 _TITLE = 0.45  # inches above an axes for its title
 _AXIS_LABEL = 0.3  # inches for "query token (attending)" / "key token (attended to)"
-_COLORBAR = 1.0  # inches right of the panels for the colour bar and its label
+_COLORBAR = 1.2  # inches right of the panels for the colour bar, its tick labels and its label
+_BAR_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the colour bar is marked, as fractions of its height
+_BAR_FONT = 8
 
 
 def _font_size(rows: int, cols: int) -> int:
@@ -94,28 +97,29 @@ def _label_inches(labels: Sequence[str], size: int) -> float:
     return max((len(label) for label in labels), default=1) * size * _CHAR + 0.1
 
 
+def _cmap(diverging: bool) -> str:
+    return "RdBu_r" if diverging else "viridis"
+
+
 def _draw(
     ax,
     matrix: np.ndarray,
     rows: Sequence[str] | None,
     cols: Sequence[str] | None,
     diverging: bool,
-    vmax: float | None,
+    limit: float,
     size: int,
 ) -> QuadMesh:
-    """One heatmap on ``ax``, row 0 at the top; tick labels only for the axes given (``None``: no ticks, as for inner
-    grid panels).
+    """One heatmap on ``ax`` with colour scale ``[0, limit]`` (``[-limit, limit]`` when ``diverging``), row 0 at the
+    top; tick labels only for the axes given (``None``: no ticks, as for inner grid panels).
 
     Cells are a mesh of flat quads, not an image: matplotlib resamples an image to the output pixels and colour-maps
     every pixel, ~4× slower at 30 × 30 cells (measured). NaN cells are left blank: matplotlib masks invalid values
     when the mesh is made and at every ``set_array``.
     """
-    if diverging:
-        limit = vmax if vmax is not None else abs_max(matrix)
-        norm = TwoSlopeNorm(0.0, -limit, limit)
-        mesh = ax.pcolormesh(matrix, cmap="RdBu_r", norm=norm, antialiased=False, snap=True)
-    else:
-        mesh = ax.pcolormesh(matrix, cmap="viridis", vmin=0.0, vmax=vmax, antialiased=False, snap=True)
+    norm = TwoSlopeNorm(0.0, -limit, limit) if diverging else None
+    vmin, vmax = (None, None) if diverging else (0.0, limit)
+    mesh = ax.pcolormesh(matrix, cmap=_cmap(diverging), norm=norm, vmin=vmin, vmax=vmax, antialiased=False, snap=True)
     ax.invert_yaxis()
     if cols is None:
         ax.set_xticks([])
@@ -128,6 +132,46 @@ def _draw(
         ax.set_yticks(np.arange(len(rows)) + 0.5, rows, fontsize=size)
         ax.set_ylabel("query token (attending)", fontsize=8)
     return mesh
+
+
+def _bar_labels(limit: float, diverging: bool) -> list[str]:
+    """The numbers at :data:`_BAR_FRACTIONS` of a colour bar over ``[0, limit]`` (``[-limit, limit]``)."""
+    low = -limit if diverging else 0.0
+    return [f"{low + (limit - low) * fraction:.3g}" for fraction in _BAR_FRACTIONS]
+
+
+def _colorbar(figure: Figure, rect: tuple[float, float, float, float], label: str, limit: float, diverging: bool):
+    """A colour bar in ``rect`` (figure fractions), marked at :data:`_BAR_FRACTIONS` of its scale, the top mark
+    reading ``limit``.
+
+    Its gradient, marks and label do not depend on the scale (both scales map their range linearly onto the colour
+    map), only the five numbers do: :class:`FigureCache` keeps the rest and redraws those. Matplotlib's own colour bar
+    places "nice" ticks and its label after measuring every tick label, which was most of a cached redraw's time.
+    """
+    ax = figure.add_axes(rect)
+    ax.imshow(
+        np.linspace(0.0, 1.0, 256)[:, None],
+        cmap=_cmap(diverging),
+        vmin=0.0,
+        vmax=1.0,
+        aspect="auto",
+        origin="lower",
+        extent=(0.0, 1.0, 0.0, 1.0),
+        interpolation="nearest",
+    )
+    ax.set_xticks([])
+    ax.yaxis.tick_right()
+    ax.set_yticks(_BAR_FRACTIONS, [""] * len(_BAR_FRACTIONS))
+    pad = transforms.offset_copy(ax.transAxes, figure, x=6, units="points")  # past the tick marks
+    for fraction, text in zip(_BAR_FRACTIONS, _bar_labels(limit, diverging), strict=True):
+        ax.text(1.0, fraction, text, transform=pad, fontsize=_BAR_FONT, va="center", gid=_BAR_GID)
+    # A fixed place, right of the longest number .3g writes ("-1.23e-05"), so it never moves with the scale.
+    right = transforms.offset_copy(ax.transAxes, figure, x=8 + 9 * _BAR_FONT * _CHAR * 72, units="points")
+    ax.text(1.0, 0.5, label, transform=right, rotation=90, fontsize=_BAR_FONT, va="center", ha="left")
+    return ax
+
+
+_BAR_GID = "colour bar number"
 
 
 def _text_inches(text: str, size: int) -> float:
@@ -205,10 +249,11 @@ def heatmap(
     figure, panels, colorbar, size = _grid_figure(
         1, 1, row_labels, col_labels, 1, title_inches=_text_inches(title, 9) + 0.2, title_at_panel=True
     )
+    limit = abs_max(matrix) if vmax is None else vmax
     ax = figure.add_axes(panels[0][0])
-    mesh = _draw(ax, matrix, row_labels, col_labels, diverging, vmax, size)
+    _draw(ax, matrix, row_labels, col_labels, diverging, limit, size)
     ax.set_title(title, fontsize=9, loc="left")
-    figure.colorbar(mesh, cax=figure.add_axes(colorbar), label=colorbar_label)
+    _colorbar(figure, colorbar, colorbar_label, limit, diverging)
     return figure
 
 
@@ -244,17 +289,16 @@ def head_grid(
     figure, panels, colorbar, size = _grid_figure(
         nrows, ncols, row_labels, col_labels, 2, cell=_CELL * 0.75, title_inches=title_inches
     )
-    vmax = abs_max(matrices) if vmax is None else vmax
-    mesh = None
+    limit = abs_max(matrices) if vmax is None else vmax
     for h in range(heads):
         r, c = divmod(h, ncols)
         bottom_of_column = h + ncols >= heads
         ax = figure.add_axes(panels[r][c])
         rows = row_labels if c == 0 else None
-        mesh = _draw(ax, matrices[h], rows, col_labels if bottom_of_column else None, diverging, vmax, size)
+        _draw(ax, matrices[h], rows, col_labels if bottom_of_column else None, diverging, limit, size)
         ax.set_title(titles[h], fontsize=9)
     figure.suptitle(title, fontsize=10, x=0.02, ha="left", y=1 - 0.1 / figure.get_figheight(), va="top")
-    figure.colorbar(mesh, cax=figure.add_axes(colorbar), label=colorbar_label)
+    _colorbar(figure, colorbar, colorbar_label, limit, diverging)
     return figure
 
 
@@ -303,8 +347,8 @@ class FigureCache:
     """Renders heatmaps to RGB arrays, reusing each tag's figure while its labels and titles stay the same.
 
     The first render of a tag draws the whole figure and keeps the pixels of everything but the colour cells and the
-    colour bar (tick labels and titles are most of matplotlib's drawing time). Later renders with the same layout only
-    set the new data and colour scale and redraw those parts on top: the pixels equal a fresh render's.
+    colour bar's numbers (tick labels and titles are most of matplotlib's drawing time). Later renders with the same
+    layout only set the new data and colour scale and redraw those parts on top: the pixels equal a fresh render's.
 
     Args:
         max_bytes: the most memory the kept figures may take (two RGBA buffers each); tags beyond it are drawn from
@@ -392,31 +436,34 @@ class FigureCache:
         entry = self._entries.get(tag)
         if entry is None or entry[0] != layout:
             figure = build()
-            colorbar_axes = figure.axes[-1]  # its own mesh is the colour bar, redrawn with the axes
+            numbers = [text for text in figure.axes[-1].texts if text.get_gid() == _BAR_GID]  # the colour bar's
             meshes = [mesh for ax in figure.axes[:-1] for mesh in ax.collections if isinstance(mesh, QuadMesh)]
             spines = [spine for mesh in meshes for spine in mesh.axes.spines.values()]
-            for artist in [*meshes, *spines, colorbar_axes]:
+            for artist in [*meshes, *spines, *numbers]:
                 artist.set_animated(True)  # left out of the full draw: the kept background has no data in it
             canvas = FigureCanvasAgg(figure)
             canvas.draw()
-            entry = (layout, figure, canvas, meshes, colorbar_axes, canvas.copy_from_bbox(figure.bbox))
+            entry = (layout, figure, canvas, meshes, numbers, canvas.copy_from_bbox(figure.bbox))
             self._entries.pop(tag, None)
             self._bytes.pop(tag, None)
             cost = 2 * 4 * int(figure.bbox.width) * int(figure.bbox.height)  # canvas and background, RGBA
             if sum(self._bytes.values()) + cost <= self.max_bytes:
                 self._entries[tag], self._bytes[tag] = entry, cost
         else:
-            _, figure, canvas, meshes, colorbar_axes, background = entry
+            _, figure, canvas, meshes, numbers, background = entry
             for mesh, matrix in zip(meshes, panels, strict=True):
                 mesh.set_array(matrix)
                 mesh.set_clim(-limit if diverging else 0.0, limit)
+            for text, number in zip(numbers, _bar_labels(limit, diverging), strict=True):
+                text.set_text(number)
             canvas.restore_region(background)
-        _, figure, canvas, meshes, colorbar_axes, _ = entry
+        _, figure, canvas, meshes, numbers, _ = entry
         for mesh in meshes:
             figure.draw_artist(mesh)
             for spine in mesh.axes.spines.values():  # the frame goes over the cells, as in a full draw
                 figure.draw_artist(spine)
-        figure.draw_artist(colorbar_axes)
+        for text in numbers:
+            figure.draw_artist(text)
         pixels = np.asarray(canvas.buffer_rgba())  # (H, W, 4), the canvas' own buffer: copied before it is reused
         return pixels.copy() if alpha else pixels[..., :3].copy()
 

@@ -192,3 +192,35 @@ def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(dive
     top = ax.transData.transform((0.5, 0.5))[1]
     bottom = ax.transData.transform((0.5, rows - 0.5))[1]
     assert top > bottom  # display y grows upwards: row 0 is drawn above the last row
+
+
+@pytest.mark.parametrize("diverging", [False, True])
+def test_colour_bar_reads_its_scale_at_five_marks_over_the_colour_map_and_its_label_never_overlaps(diverging):
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    limit = 1.23e-05 if diverging else 0.213  # the longest number .3g writes: "-1.23e-05"
+    matrix = np.array([[0.0, limit], [-limit / 2 if diverging else limit / 2, limit / 4]])
+    figure = render.heatmap(matrix, ["a", "b"], ["a", "b"], "T", "attention mass P", diverging=diverging)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    pixels = np.asarray(canvas.buffer_rgba())[..., :3]
+    bar, renderer = figure.axes[-1], canvas.get_renderer()
+    numbers = [t for t in bar.texts if t.get_gid() == render._BAR_GID]
+    low = -limit if diverging else 0.0
+    assert [float(t.get_text()) for t in numbers] == pytest.approx(
+        [low + (limit - low) * f for f in np.linspace(0, 1, 5)], rel=5e-3
+    )
+    (label,) = [t for t in bar.texts if t.get_text() == "attention mass P"]
+    boxes = [t.get_window_extent(renderer) for t in numbers]
+    label_box = label.get_window_extent(renderer)
+    assert all(_inside(figure, box) for box in [*boxes, label_box])
+    assert _no_overlap(boxes, "y") and all(box.x1 < label_box.x0 for box in boxes)
+    cmap = colormaps["RdBu_r" if diverging else "viridis"]
+    for fraction in (0.05, 0.3, 0.5, 0.7, 0.95):  # the colour at a height is the colour map at that fraction
+        x, y = bar.transAxes.transform((0.5, fraction))
+        got = pixels[int(figure.bbox.height - y), int(x)].astype(int)
+        assert np.abs(got - np.round(np.array(cmap(fraction)[:3]) * 255)).max() <= 3, (fraction, got)
+    for number, box in zip(numbers, boxes, strict=True):  # each number sits at its mark
+        mark = bar.transAxes.transform((1.0, float(np.linspace(0, 1, 5)[numbers.index(number)])))[1]
+        assert box.y0 < mark < box.y1
