@@ -1192,10 +1192,10 @@ class AttentionMonitor(Callback):
         header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
         tables[f"{prefix}_lift_pairs/{layer}"] = table(header, rows, f"{needs}.")
         if reference is not None and "ref" in moved_rows:
-            ref_mass = _snapshot_mean(reference).to(mass.device)
+            ref_mass = _snapshot_mean(reference)  # where the snapshot lives: only the moved rows are read
             ref_count = reference["query_count"].to(mass.device)
             moved = F.moved_tokens(
-                mass, ref_mass, stats.query_count, ref_count, self.num_pairs, self.min_support, moved_rows["ref"]
+                mass, None, stats.query_count, ref_count, self.num_pairs, self.min_support, moved_rows["ref"]
             )
             prev_js: list[Any] = [""] * len(moved)
             if "prev" in moved_rows and moved:  # NaN (not shown) where the token was too rare in the previous epoch

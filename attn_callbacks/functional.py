@@ -783,7 +783,7 @@ def attention_drift(
 
 def moved_tokens(
     current: Tensor,
-    reference: Tensor,
+    reference: Tensor | None,
     current_count: Tensor,
     reference_count: Tensor,
     k: int,
@@ -796,7 +796,7 @@ def moved_tokens(
 
     Args:
         current: ``P_t``, ``(Vq, Vk)``.
-        reference: ``P_s``, ``(Vq, Vk)``.
+        reference: ``P_s``, ``(Vq, Vk)``; may be None when ``row_divergence`` is given (then it is not read).
         current_count: ``Q_t``, ``(Vq,)``.
         reference_count: ``Q_s``, ``(Vq,)``.
         k: how many tokens to return.
@@ -810,6 +810,8 @@ def moved_tokens(
     supported = _supported_rows(current_count, reference_count, min_support)
     score = torch.full(current_count.shape, float("-inf"), dtype=current.dtype, device=current.device)
     if row_divergence is None:
+        if reference is None:
+            raise ValueError("moved_tokens: argument `reference` is None, which needs `row_divergence`, also None")
         rows = supported.nonzero()[:, 0]
         score[rows] = js_divergence(current[rows], reference[rows].to(current.dtype))
     else:

@@ -531,6 +531,11 @@ def test_attention_drift_row_divergence_is_each_rows_js_and_nan_where_rows_do_no
         if heads is None:
             args = (current, reference, current_count, reference_count, 10, min_support)
             assert F.moved_tokens(*args, row_divergence=rows) == F.moved_tokens(*args)
+            # Given the rows' JS, the reference matrix is not needed (the callback keeps it off the device).
+            alone = (current, None, current_count, reference_count, 10, min_support)
+            assert F.moved_tokens(*alone, row_divergence=rows) == F.moved_tokens(*args)
+            with pytest.raises(ValueError, match="`reference` is None, which needs `row_divergence`"):
+                F.moved_tokens(*alone)
 
 
 def test_moved_tokens_hand_computed_with_ties():
