@@ -310,6 +310,7 @@ class AttentionMonitor(Callback):
         self._ranks: dict[tuple[str, str, str], Tensor] = {}
         # This epoch's row_plogp(P) and mean_h P per module (on CPU), for its drift snapshot.
         self._derived: dict[str, dict[str, Tensor]] = {}
+        self._head_scalars: dict[tuple[str, str], Tensor] = {}  # this epoch end's (tag, suffix) -> (H,) per head
         # Per module, the P of a drift snapshot that no longer serves and that nothing else holds: where the next
         # epoch's P goes. A fresh tensor of hundreds of MB costs its page faults on every epoch (measured 10x the
         # division itself); the peak memory is the same, as the current, previous and reference P coexist anyway.
@@ -531,6 +532,7 @@ class AttentionMonitor(Callback):
             return
         step = trainer.global_step
         self._derived.clear()  # nothing left from an epoch that failed before _remember
+        self._head_scalars.clear()
         for name, stats in all_stats.items():
             sums = stats.attention_sum
             # Only an epoch that _remember keeps uses the spare. The spare lives on the CPU: for P computed on
@@ -547,6 +549,8 @@ class AttentionMonitor(Callback):
                     for idx in range(loaders):
                         suffix = f"/dataloader_idx_{idx}"
                         self._log_module(pl_module, name, per_loader[(name, idx)], writer, step, False, suffix)
+            _log_heads(trainer, self._head_scalars)
+            self._head_scalars.clear()
             finished = True
         finally:
             self._finish_painting(raise_errors=finished)
@@ -920,12 +924,10 @@ class AttentionMonitor(Callback):
             f"{prefix}_skipped_rows/{layer}{suffix}": stats.skipped_rows.float(),
         }
 
-        heads: dict[str, Tensor] = {}  # tag before "/head_{h}" -> (H,) values
-
         def add(tag: str, layer_value: Tensor, head_values: Tensor | None = None) -> None:
             scalars[f"{prefix}_{tag}/{layer}{suffix}"] = layer_value
             if self.per_head and head_values is not None:
-                heads[f"{prefix}_{tag}/{layer}"] = head_values
+                self._head_scalars[(f"{prefix}_{tag}/{layer}", suffix)] = head_values
 
         # Σ p log p of every row, (H, Vq) and (Vq,): shared by the entropy, the lift and every drift comparison.
         plogp_heads, plogp = F.row_plogp(mass_heads), F.row_plogp(mass)
@@ -971,7 +973,6 @@ class AttentionMonitor(Callback):
             # Already summed over ranks by compute(): sync_dist would only average equal numbers. Our own
             # dataloader suffixes replace Lightning's, which would otherwise append one for the current dataloader.
             pl_module.log(tag, value.float(), on_step=False, on_epoch=True, sync_dist=False, add_dataloader_idx=False)
-        _log_heads(pl_module.trainer, heads, suffix)
         self._check_collapse(name, positions["entropy_normalized"], query_count)
         if int(stats.skipped_rows) > 0:
             self._warn_once(
@@ -1247,24 +1248,28 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _log_heads(trainer: Trainer, heads: dict[str, Tensor], suffix: str) -> None:
-    """Per-head scalars ``{tag}/head_{h}{suffix}`` straight to the Trainer's loggers, from global rank 0, at the step
-    Lightning gives the layer scalars logged through ``LightningModule.log`` in the same hook.
+def _log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
+    """Per-head scalars (``heads``: ``(tag, suffix)`` -> ``(H,)`` values, logged as ``{tag}/head_{h}{suffix}``)
+    straight to every logger of the Trainer in one call, from global rank 0, with ``epoch`` and at the step, as
+    Lightning logs the layer scalars that went through ``LightningModule.log`` in the same hook (a CSV gets one row of
+    them per epoch end).
 
     ``LightningModule.log`` keeps a result object per tag and walks it on every call (about 1 ms each: a model of
-    12 layers × 12 heads has thousands of per-head scalars), and would also fill ``callback_metrics`` and the table
-    ``trainer.validate`` prints with them. Like Lightning's own epoch-end logging, nothing is written during the
-    sanity check.
+    12 layers × 12 heads has thousands of per-head scalars), and would also fill ``callback_metrics``,
+    ``logged_metrics`` and what ``trainer.validate`` returns and prints with them. Like Lightning's own epoch-end
+    logging, nothing is written during the sanity check.
     """
     if not heads or trainer.sanity_checking or not trainer.is_global_zero or not trainer.loggers:
         return
-    # Lightning's own step for epoch-end metrics (its LoggerConnector reads the same counter); global_step is one
-    # more at the end of a training epoch.
+    # Lightning's own step for epoch-end metrics (its LoggerConnector reads the same counter, unless the model logs
+    # a metric named "step"); global_step is one more at the end of a training epoch.
     step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-    values = torch.stack([v.detach().double() for v in heads.values()]).cpu().tolist()  # (tags, H): one host sync
-    metrics = {
-        f"{tag}/head_{h}{suffix}": value for tag, row in zip(heads, values, strict=True) for h, value in enumerate(row)
+    device = next(iter(heads.values())).device
+    values = iter(torch.cat([v.detach().reshape(-1).double().to(device) for v in heads.values()]).tolist())
+    metrics: dict[str, float] = {
+        f"{tag}/head_{h}{suffix}": next(values) for (tag, suffix), v in heads.items() for h in range(v.numel())
     }
+    metrics["epoch"] = trainer.current_epoch
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
 

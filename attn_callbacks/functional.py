@@ -811,7 +811,7 @@ def moved_tokens(
     score = torch.full(current_count.shape, float("-inf"), dtype=current.dtype, device=current.device)
     if row_divergence is None:
         if reference is None:
-            raise ValueError("moved_tokens: argument `reference` is None, which needs `row_divergence`, also None")
+            raise ValueError("moved_tokens: argument `reference` may be None only when `row_divergence` is given")
         rows = supported.nonzero()[:, 0]
         score[rows] = js_divergence(current[rows], reference[rows].to(current.dtype))
     else:

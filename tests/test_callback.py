@@ -247,6 +247,11 @@ def test_callback_scalars_reach_csv_and_tensorboard_with_the_same_values_and_ima
         from_tb = [(e.step, e.value) for e in events.Scalars(tag)]
         assert [s for s, _ in from_csv] == [s for s, _ in from_tb], tag
         assert [v for _, v in from_csv] == pytest.approx([v for _, v in from_tb], rel=1e-6, abs=1e-7), tag
+    # All per-head scalars of an epoch end are one CSV row, with its epoch, as Lightning writes the layer scalars.
+    heads = [tag for tag in ours if "/head_" in tag and "_drift/" not in tag]  # drift only from the second epoch
+    head_rows = [row for row in rows if any(row[tag] != "" for tag in heads)]
+    assert len(heads) > 10 and [row["epoch"] for row in head_rows] == ["0", "1"]
+    assert all(row[tag] != "" for row in head_rows for tag in heads)
     assert len(events.Tags()["images"]) > 0
     assert not list(Path(csv_logger.log_dir).glob("*.png"))  # images go to TensorBoard only
 

@@ -534,7 +534,7 @@ def test_attention_drift_row_divergence_is_each_rows_js_and_nan_where_rows_do_no
             # Given the rows' JS, the reference matrix is not needed (the callback keeps it off the device).
             alone = (current, None, current_count, reference_count, 10, min_support)
             assert F.moved_tokens(*alone, row_divergence=rows) == F.moved_tokens(*args)
-            with pytest.raises(ValueError, match="`reference` is None, which needs `row_divergence`"):
+            with pytest.raises(ValueError, match="`reference` may be None only when `row_divergence` is given"):
                 F.moved_tokens(*alone)
 
 

@@ -208,6 +208,8 @@ def test_colour_bar_reads_its_scale_at_five_marks_over_the_colour_map_and_its_la
     bar, renderer = figure.axes[-1], canvas.get_renderer()
     numbers = [t for t in bar.texts if t.get_gid() == render._BAR_GID]
     low = -limit if diverging else 0.0
+    if diverging:  # symmetric about 0
+        assert [t.get_text() for t in numbers[:2]] == ["-" + t.get_text() for t in numbers[:2:-1]]
     assert [float(t.get_text()) for t in numbers] == pytest.approx(
         [low + (limit - low) * f for f in np.linspace(0, 1, 5)], rel=5e-3
     )
