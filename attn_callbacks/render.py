@@ -165,9 +165,8 @@ def _colorbar(figure: Figure, rect: tuple[float, float, float, float], label: st
     pad = transforms.offset_copy(ax.transAxes, figure, x=6, units="points")  # past the tick marks
     for fraction, text in zip(_BAR_FRACTIONS, _bar_labels(limit, diverging), strict=True):
         ax.text(1.0, fraction, text, transform=pad, fontsize=_BAR_FONT, va="center", gid=_BAR_GID)
-    # A fixed place, right of the longest number .3g writes for scales from 1e-99 to 1e99 ("-1.23e-05"), so it never
-    # moves with the scale.
-    right = transforms.offset_copy(ax.transAxes, figure, x=8 + 9 * _BAR_FONT * _CHAR * 72, units="points")
+    # A fixed place, right of the longest number .3g writes ("-1.23e+100"), so it never moves with the scale.
+    right = transforms.offset_copy(ax.transAxes, figure, x=8 + 10 * _BAR_FONT * _CHAR * 72, units="points")
     ax.text(1.0, 0.5, label, transform=right, rotation=90, fontsize=_BAR_FONT, va="center", ha="left")
     return ax
 

@@ -194,12 +194,12 @@ def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(dive
     assert top > bottom  # display y grows upwards: row 0 is drawn above the last row
 
 
-@pytest.mark.parametrize("diverging", [False, True])
-def test_colour_bar_reads_its_scale_at_five_marks_over_the_colour_map_and_its_label_never_overlaps(diverging):
+@pytest.mark.parametrize(("diverging", "limit"), [(False, 0.213), (True, 1.23e-05), (True, 1.23e100)])
+def test_colour_bar_reads_its_scale_at_five_marks_over_the_colour_map_and_its_label_never_overlaps(diverging, limit):
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    limit = 1.23e-05 if diverging else 0.213  # the longest number .3g writes: "-1.23e-05"
+    # "-1.23e-05" and "-1.23e+100" are the longest numbers .3g writes for ordinary and absurd scales
     matrix = np.array([[0.0, limit], [-limit / 2 if diverging else limit / 2, limit / 4]])
     figure = render.heatmap(matrix, ["a", "b"], ["a", "b"], "T", "attention mass P", diverging=diverging)
     canvas = FigureCanvasAgg(figure)
