@@ -310,7 +310,6 @@ class AttentionMonitor(Callback):
         self._ranks: dict[tuple[str, str, str], Tensor] = {}
         # This epoch's row_plogp(P) and mean_h P per module (on CPU), for its drift snapshot.
         self._derived: dict[str, dict[str, Tensor]] = {}
-        self._head_scalars: dict[tuple[str, str], Tensor] = {}  # this epoch end's (tag, suffix) -> (H,) per head
         # Per module, the P of a drift snapshot that no longer serves and that nothing else holds: where the next
         # epoch's P goes. A fresh tensor of hundreds of MB costs its page faults on every epoch (measured 10x the
         # division itself); the peak memory is the same, as the current, previous and reference P coexist anyway.
@@ -532,7 +531,6 @@ class AttentionMonitor(Callback):
             return
         step = trainer.global_step
         self._derived.clear()  # nothing left from an epoch that failed before _remember
-        self._head_scalars.clear()
         for name, stats in all_stats.items():
             sums = stats.attention_sum
             # Only an epoch that _remember keeps uses the spare. The spare lives on the CPU: for P computed on
@@ -542,15 +540,16 @@ class AttentionMonitor(Callback):
             if spare is not None:
                 stats.attention_mass = F.attention_mass(sums, stats.query_count, out=spare)  # the cached property
         finished = False
+        heads: dict[tuple[str, str], Tensor] = {}  # every module's per-head scalars, logged in one call
         try:
             for name, stats in all_stats.items():
-                self._log_module(pl_module, name, stats, writer, step, drift_epoch)
+                heads.update(self._log_module(pl_module, name, stats, writer, step, drift_epoch))
                 if loaders > 1:
                     for idx in range(loaders):
                         suffix = f"/dataloader_idx_{idx}"
-                        self._log_module(pl_module, name, per_loader[(name, idx)], writer, step, False, suffix)
-            _log_heads(trainer, self._head_scalars)
-            self._head_scalars.clear()
+                        part = per_loader[(name, idx)]
+                        heads.update(self._log_module(pl_module, name, part, writer, step, False, suffix))
+            _log_heads(trainer, heads)
             finished = True
         finally:
             self._finish_painting(raise_errors=finished)
@@ -904,9 +903,12 @@ class AttentionMonitor(Callback):
         step: int,
         drift: bool,
         suffix: str = "",
-    ) -> None:
+    ) -> dict[tuple[str, str], Tensor]:
+        """Log one module's scalars, images and tables; return its per-head scalars, ``(tag, suffix) -> (H,)``, for
+        :func:`_log_heads`."""
+        heads: dict[tuple[str, str], Tensor] = {}
         if int(stats.query_count.sum()) == 0:
-            return  # nothing seen by this module (or this dataloader): no numbers to log
+            return heads  # nothing seen by this module (or this dataloader): no numbers to log
         layer = name or "attention"
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
@@ -927,7 +929,7 @@ class AttentionMonitor(Callback):
         def add(tag: str, layer_value: Tensor, head_values: Tensor | None = None) -> None:
             scalars[f"{prefix}_{tag}/{layer}{suffix}"] = layer_value
             if self.per_head and head_values is not None:
-                self._head_scalars[(f"{prefix}_{tag}/{layer}", suffix)] = head_values
+                heads[(f"{prefix}_{tag}/{layer}", suffix)] = head_values
 
         # Σ p log p of every row, (H, Vq) and (Vq,): shared by the entropy, the lift and every drift comparison.
         plogp_heads, plogp = F.row_plogp(mass_heads), F.row_plogp(mass)
@@ -984,6 +986,7 @@ class AttentionMonitor(Callback):
             self._write_images_and_text(
                 writer, name, layer, stats, mass, mass_heads, sum_mean, reference, moved, step, prefix, suffix
             )
+        return heads
 
     def _check_collapse(self, name: str, entropy_normalized: Tensor, query_count: Tensor) -> None:
         if self.entropy_collapse_threshold <= 0 or int(query_count.sum()) == 0:

@@ -86,6 +86,7 @@ _AXIS_LABEL = 0.3  # inches for "query token (attending)" / "key token (attended
 _COLORBAR = 1.2  # inches right of the panels for the colour bar, its tick labels and its label
 _BAR_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the colour bar is marked, as fractions of its height
 _BAR_FONT = 8
+_BAR_GID = "colour bar number"  # marks the colour bar's numbers, which FigureCache redraws
 
 
 def _font_size(rows: int, cols: int) -> int:
@@ -140,7 +141,9 @@ def _bar_labels(limit: float, diverging: bool) -> list[str]:
     return [f"{limit * (2 * fraction - 1 if diverging else fraction):.3g}" for fraction in _BAR_FRACTIONS]
 
 
-def _colorbar(figure: Figure, rect: tuple[float, float, float, float], label: str, limit: float, diverging: bool):
+def _colorbar(
+    figure: Figure, rect: tuple[float, float, float, float], label: str, limit: float, diverging: bool
+) -> None:
     """A colour bar in ``rect`` (figure fractions), marked at :data:`_BAR_FRACTIONS` of its scale, the top mark
     reading ``limit``.
 
@@ -168,10 +171,6 @@ def _colorbar(figure: Figure, rect: tuple[float, float, float, float], label: st
     # A fixed place, right of the longest number .3g writes ("-1.23e+100"), so it never moves with the scale.
     right = transforms.offset_copy(ax.transAxes, figure, x=8 + 10 * _BAR_FONT * _CHAR * 72, units="points")
     ax.text(1.0, 0.5, label, transform=right, rotation=90, fontsize=_BAR_FONT, va="center", ha="left")
-    return ax
-
-
-_BAR_GID = "colour bar number"
 
 
 def _text_inches(text: str, size: int) -> float:

@@ -151,7 +151,7 @@ class Recorder(AttentionMonitor):
         self.last = getattr(self, "last", {})
         # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
         self.last[name] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))
-        super()._log_module(pl_module, name, stats, writer, step, drift)
+        return super()._log_module(pl_module, name, stats, writer, step, drift)
 
 
 def test_callback_sums_equal_reference_from_manually_captured_weights(tmp_path):
@@ -716,7 +716,7 @@ class LoaderRecorder(AttentionMonitor):
     def _log_module(self, pl_module, name, stats, writer, step, drift, suffix=""):
         self.views = getattr(self, "views", {})
         self.views[(name, suffix)] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))  # a copy
-        super()._log_module(pl_module, name, stats, writer, step, drift, suffix)
+        return super()._log_module(pl_module, name, stats, writer, step, drift, suffix)
 
 
 def test_callback_multiple_validation_dataloaders_kept_apart_and_combined(tmp_path):

@@ -109,7 +109,7 @@ class Checked(AttentionMonitor):
     def _log_module(self, pl_module, name, stats, *args, **kwargs):
         # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
         self.seen[name] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))
-        super()._log_module(pl_module, name, stats, *args, **kwargs)
+        return super()._log_module(pl_module, name, stats, *args, **kwargs)
 
     def on_validation_epoch_start(self, trainer, pl_module):
         self.seen = {}
