@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -198,6 +199,26 @@ class AttentionAccumulator(Metric):
         """The (process-summed) sums and counts in their usual shapes (discard cells dropped); ``P = S / Q`` and
         ``M = S / C`` per head are derived on access. torchmetrics returns a copy; see :meth:`stats` for views."""
         return self._unpack()
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        """torchmetrics' wrapper (sync, cache, copy), whose squeeze of every one-element tensor in the result (a
+        vocabulary of one id) is undone: each field keeps the shape :class:`AttentionStats` documents."""
+        wrapped = super()._wrap_compute(compute)
+
+        @functools.wraps(compute)
+        def shaped(*args: Any, **kwargs: Any) -> AttentionStats:
+            stats = wrapped(*args, **kwargs)
+            heads, vocab_q, vocab_k = self.sums.shape[0] - 1, self.query_vocab_size, self.key_vocab_size
+            return stats_from_sums(
+                stats.attention_sum.reshape(heads, vocab_q, vocab_k),
+                stats.pair_count.reshape(vocab_q, vocab_k),
+                stats.query_count.reshape(vocab_q),
+                stats.skipped_rows,
+                stats.uniform_sum.reshape(vocab_q, vocab_k),
+                stats.position_sums,  # (len(POSITION_STATS), H): never one element
+            )
+
+        return shaped
 
     def stats(self, in_place: bool = False) -> AttentionStats:
         """What :meth:`compute` returns, summed across processes like it, but as views of the state, without the copy

@@ -30,6 +30,26 @@ def test_accumulator_sums_batches_and_divides_only_at_compute():
     assert float(metric.sums.abs().sum()) == 0 and int(metric.query_count.sum()) == 0
 
 
+def test_accumulator_compute_keeps_shapes_for_a_one_id_vocabulary():
+    # torchmetrics squeezes one-element results: with one query id, Q, C and U would come back 0-dim.
+    for heads, vocab_q, vocab_k, mean in ((1, 1, 1, False), (2, 1, 1, False), (2, 1, 3, False), (2, 1, 1, True)):
+        metric = AttentionAccumulator(heads, vocab_q, vocab_k, mean_of_heads=mean)
+        keys = torch.arange(3) % vocab_k
+        valid_q, valid_k = torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 3, dtype=torch.bool)
+        metric.update(
+            torch.full((1, heads, 2, 3), 1 / 3), torch.zeros(1, 2, dtype=torch.long), keys[None], valid_q, valid_k
+        )
+        stats, views = metric.compute(), metric.stats()
+        assert tuple(stats.attention_sum.shape) == (1 if mean else heads, vocab_q, vocab_k)
+        assert tuple(stats.pair_count.shape) == tuple(stats.uniform_sum.shape) == (vocab_q, vocab_k)
+        assert tuple(stats.query_count.shape) == (vocab_q,) and stats.query_count.tolist() == [2]
+        for field in _SUMS:
+            assert torch.equal(getattr(stats, field), getattr(views, field)), field
+        # P = S / Q: the 3 keys' thirds, folded onto the key ids they hold
+        expected = torch.bincount(keys, minlength=vocab_k).float() / 3
+        torch.testing.assert_close(stats.attention_mass, expected.expand_as(stats.attention_mass))
+
+
 def test_accumulator_updates_inside_and_outside_inference_mode():
     w, q, k = next(batches())
     valid_q, valid_k = torch.ones_like(q, dtype=torch.bool), torch.ones_like(k, dtype=torch.bool)
