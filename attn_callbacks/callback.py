@@ -980,7 +980,8 @@ class AttentionMonitor(Callback):
             self._warn_once(
                 f"skipped:{name}",
                 f"AttentionMonitor: {int(stats.skipped_rows)} query rows of attention module {name!r} had non-finite "
-                "weights (fully masked rows?) and were left out of the sums",
+                "or all-zero weights (fully masked rows? padded positions whose id is not in `ignore_ids`?) and were "
+                "left out of the sums",
             )
         if writer is not None:
             self._write_images_and_text(

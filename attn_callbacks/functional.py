@@ -70,8 +70,9 @@ def accumulate_attention_reference(
     :func:`accumulate_attention` computes the same sums faster (tests hold the two equal); this one is kept short and
     obvious so it can serve as the reference. ``S[h, a, b] += Σ w[n, h, i, j]``, ``C[a, b] += #(i, j)``,
     ``Q[a] += #i`` over valid query positions ``i`` holding ``a`` and valid key positions ``j`` holding ``b``.
-    A query row that holds a non-finite weight in any head (a fully masked row is NaN) is dropped as a whole and
-    counted instead.
+    A query row that holds a non-finite weight in any head (a fully masked row is NaN), or no positive weight in any
+    head (some attention code zeroes the rows of padded queries), is dropped as a whole and counted instead: it is no
+    occurrence of its token's attention.
 
     Args:
         attention_sum: ``(H, Vq, Vk)`` floating accumulator, updated in place.
@@ -90,7 +91,8 @@ def accumulate_attention_reference(
             in :data:`POSITION_STATS`.
 
     Returns:
-        A 0-dim int64 tensor on the weights' device: the number of valid query rows dropped for non-finite weights.
+        A 0-dim int64 tensor on the weights' device: the number of valid query rows dropped for non-finite or
+        all-zero weights.
 
     Example:
         >>> S, C, Q = torch.zeros(1, 3, 3), torch.zeros(3, 3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
@@ -102,9 +104,11 @@ def accumulate_attention_reference(
         [[0.0, 0.0, 0.0], [0.0, 0.25, 0.75], [0.0, 1.0, 0.0]]
     """
     num_heads, vocab_q, vocab_k = attention_sum.shape
-    finite_rows = torch.isfinite(weights).all(dim=-1).all(dim=1)  # (B, Lq): finite in every head
-    rows = query_valid & finite_rows
-    skipped = (query_valid & ~finite_rows).sum()
+    finite = torch.isfinite(weights).all(dim=-1).all(dim=1)  # (B, Lq): finite in every head
+    weighted = (weights.to(attention_sum.dtype) > 0).any(dim=-1).any(dim=1)  # (B, Lq): some weight, as stored
+    usable = finite & weighted
+    rows = query_valid & usable
+    skipped = (query_valid & ~usable).sum()
 
     pair_valid = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
     # Ids at ignored positions may be out of range (pad = -100, say): point them at 0, their weight is zeroed anyway.
@@ -200,7 +204,8 @@ def accumulate_attention(
     """The fast path: add one batch to packed running sums, in place, without a host sync; deterministic on CPU.
 
     Computes exactly what :func:`accumulate_attention_reference` computes (``S``, ``U``, ``C``, ``Q`` and the position
-    sums; a valid query row with a non-finite weight in any head is dropped and counted), on a packed layout:
+    sums; a valid query row with a non-finite weight in any head, or with no positive weight at all, is dropped and
+    counted), on a packed layout:
 
     - ``sums[:H]`` is ``S`` and ``sums[H]`` is ``U``, each a flat ``Vq * Vk`` plane plus the discard cell, so one
       index (from :func:`pair_index`, shared by every module reading the same streams) serves every head, ``U`` and
@@ -222,13 +227,15 @@ def accumulate_attention(
         key_valid: ``(B, Lk)`` bool.
 
     Returns:
-        A 0-dim int64 tensor: the number of valid query rows dropped for non-finite weights.
+        A 0-dim int64 tensor: the number of valid query rows dropped for non-finite or all-zero weights.
     """
     batch, num_heads, len_q, len_k = weights.shape
     dtype = sums.dtype
     finite = torch.isfinite(weights.sum(dim=-1)).all(dim=1)  # (B, Lq): a sum is finite iff every term is
-    rows = query_valid & finite
-    skipped = (query_valid & ~finite).sum()
+    positive = weights.amax(dim=1).to(dtype) > 0  # (B, Lq, Lk): some head's weight, non-zero as stored in the sums
+    usable = finite & positive.any(dim=-1)
+    rows = query_valid & usable
+    skipped = (query_valid & ~usable).sum()
     query_count.index_add_(
         0, torch.where(rows, query_ids.long(), query_count.numel() - 1).reshape(-1), rows.reshape(-1).long()
     )
@@ -237,7 +244,7 @@ def accumulate_attention(
     # Pairs of ignored positions already point at the discard cell; C must also skip the pairs of dropped rows.
     pair_count.index_add_(0, flat.reshape(-1), kept.reshape(-1).to(pair_count.dtype))
 
-    visible = (weights.amax(dim=1).to(dtype) > 0) & kept  # (B, Lq, Lk); non-zero as stored in the sums' dtype
+    visible = positive & kept  # (B, Lq, Lk)
     num_visible = visible.sum(dim=-1)  # (B, Lq)
     uniform = visible.to(dtype) / num_visible.clamp(min=1)[:, :, None].to(dtype)  # 1 / #visible on visible keys
 

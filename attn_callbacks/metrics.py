@@ -30,7 +30,8 @@ class AttentionStats:
         attention_sum: ``S``, ``(H, Vq, Vk)`` float32.
         pair_count: ``C``, ``(Vq, Vk)`` int64.
         query_count: ``Q``, ``(Vq,)`` int64.
-        skipped_rows: number of valid query rows dropped because their weights were not finite (0-dim int64).
+        skipped_rows: number of valid query rows dropped because their weights were not finite, or all zero
+            (0-dim int64).
         uniform_sum: ``U``, the uniform-attention baseline, ``(Vq, Vk)`` float32 (see
             :func:`attn_callbacks.functional.lift`).
         position_sums: ``(len(POSITION_STATS), H)`` float32 position-level sums (see

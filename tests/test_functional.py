@@ -18,7 +18,7 @@ def naive_accumulate(weights, query_ids, key_ids, query_valid, key_valid, vq, vk
         for i in range(lq):
             if not query_valid[n, i]:
                 continue
-            if not torch.isfinite(weights[n, :, i]).all():
+            if not torch.isfinite(weights[n, :, i]).all() or not (weights[n, :, i] > 0).any():
                 skipped += 1
                 continue
             a = int(query_ids[n, i])
@@ -341,6 +341,32 @@ def test_accumulate_attention_position_sums_fully_masked_row_contributes_nothing
     torch.testing.assert_close(P1, P2)
     torch.testing.assert_close(U1, U2)
     assert not torch.equal(P0, P1) and not torch.equal(U0, U1)
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_accumulate_attention_drops_and_counts_all_zero_rows_like_padding(path):
+    # A valid query row with no weight in any head (some attention code zeroes padded queries) is no occurrence of its
+    # token's attention: counted in Q it would pull that token's row of P below 1.
+    weights, qi, ki, qv, kv = random_case(2, 2, 5, 5, 3, 3, seed=11)
+    weights[1, :, 2] = 0.0  # every head
+    weights[0, 1, 3] = 0.0  # one head only: still attention, kept
+    as_padding = qv.clone()
+    as_padding[1, 2] = False
+
+    def sums(query_valid):
+        if path == "reference":
+            return run_full(weights, qi, ki, query_valid, kv, 3, 3)
+        pairs = F.pair_index(qi, ki, query_valid, kv, 3, 3)
+        packed, C, Q = torch.zeros(3, 10, dtype=torch.float64), torch.zeros(10, dtype=torch.long), torch.zeros(4).long()
+        P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+        skipped = F.accumulate_attention(packed, C, Q, P, weights.double(), pairs, qi, query_valid, kv)
+        return packed[:2, :9].view(2, 3, 3), C[:9].view(3, 3), Q[:3], packed[2, :9].view(3, 3), P, int(skipped)
+
+    *dropped, skipped = sums(qv)
+    *padded, none = sums(as_padding)
+    assert skipped == 1 and none == 0
+    for got, want in zip(dropped, padded, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-6, atol=1e-6)
 
 
 def test_lift_hand_computed_and_zero_where_uniform_is_zero():

@@ -61,7 +61,9 @@ class Spec:
     mask_ignored_keys: bool  # -inf on ignored keys before the softmax (else they keep weight)
     hole_density: float  # share of random -inf attn_mask entries
     temperature: float  # score scale: 0 = uniform, 60 = one-hot with underflowing zeros
-    nonfinite_rows: tuple[tuple[int, int, int, float], ...]  # (n, i, head or -1 for all heads, nan / inf)
+    nonfinite_rows: tuple[
+        tuple[int, int, int, float], ...
+    ]  # (n, i, head or -1 for all heads, nan / inf / 0: all heads)
     pad_id: int | None  # id written at ignored positions; None: leave the random id
     dtype: str
     seed: int
@@ -111,7 +113,7 @@ def specs(
         st.integers(0, batch - 1),
         st.integers(0, len_q - 1),
         st.integers(-1, heads - 1),
-        st.sampled_from([math.nan, math.inf]),
+        st.sampled_from([math.nan, math.inf, 0.0]),  # 0.0 in every head: a padded query row of the nested path
     )
     return Spec(
         heads=heads,
@@ -171,7 +173,7 @@ def build(spec: Spec) -> Batch:
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     weights = scores.to(compute).masked_fill(~allowed, float("-inf")).softmax(-1).to(dtype)  # all -inf: NaN row
     for n, i, head, value in spec.nonfinite_rows:
-        if head < 0:
+        if head < 0 or value == 0:  # zeros only as a whole row: one zeroed weight would just unnormalise the row
             weights[n, :, i] = value
         else:
             weights[n, head, i, int(torch.randint(0, len_k, (), generator=g))] = value
@@ -251,8 +253,8 @@ def reference(batch: Batch, vocab_q, vocab_k, accumulator_dtype=torch.float32):
         for i in range(len_q):
             if not qv[n][i]:
                 continue
-            if not all(math.isfinite(x) for h in range(heads) for x in w[n, h, i]):
-                skipped += 1
+            if not all(math.isfinite(x) for h in range(heads) for x in w[n, h, i]) or not (stored[n, :, i] > 0).any():
+                skipped += 1  # non-finite in some head, or no weight anywhere: no occurrence of the token's attention
                 continue
             a = qi[n][i]
             Q[a] += 1
@@ -382,9 +384,14 @@ def loop_in_degree(S, Q):
     return as64([loop_divide(sum(row[b] for row in s), total) for b in range(len(s[0]))])
 
 
-def kept_rows(batch: Batch):
+def usable_rows(batch: Batch, dtype=torch.float32):
+    """(B, Lq): rows finite in every head with some positive weight (as stored in the accumulator's dtype)."""
     finite = torch.isfinite(batch.weights).all(dim=-1).all(dim=1)
-    return int((batch.query_valid & finite).sum())
+    return finite & (batch.weights.to(dtype) > 0).any(dim=-1).any(dim=1)
+
+
+def kept_rows(batch: Batch):
+    return int((batch.query_valid & usable_rows(batch)).sum())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -490,11 +497,11 @@ def test_accumulate_attention_ignores_ids_at_ignored_positions_and_drops_nonfini
     moved = run(spec, Batch(batch.weights, query_ids, key_ids, batch.query_valid, batch.key_valid))
     for name in ("S", "C", "Q", "U", "P"):
         assert torch.equal(moved[name], state[name]), name
-    # a valid query row with a non-finite weight is dropped exactly as if it were padding, and counted
-    finite = torch.isfinite(batch.weights).all(dim=-1).all(dim=1)
-    as_padding = Batch(batch.weights, batch.query_ids, batch.key_ids, batch.query_valid & finite, batch.key_valid)
+    # a valid query row with a non-finite weight, or none positive, is dropped as if it were padding, and counted
+    usable = usable_rows(batch)
+    as_padding = Batch(batch.weights, batch.query_ids, batch.key_ids, batch.query_valid & usable, batch.key_valid)
     padded = run(spec, as_padding)
-    assert padded["skipped"] == 0 and state["skipped"] == int((batch.query_valid & ~finite).sum())
+    assert padded["skipped"] == 0 and state["skipped"] == int((batch.query_valid & ~usable).sum())
     for name in ("S", "C", "Q", "U", "P"):
         assert torch.equal(padded[name], state[name]), name
 
