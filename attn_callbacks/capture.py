@@ -30,6 +30,29 @@ __all__ = ["AttentionCapture", "capture_attention", "find_attention_modules", "n
 WeightsConsumer = Callable[[str, nn.Module, Tensor], None]
 
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+
+
+class _FastpathOff:
+    """The process-wide MHA fast-path flag, held off while any capture is attached and restored by the last one to
+    detach, in whatever order they detach (two monitors on one Trainer detach in the order they attached)."""
+
+    holders = 0
+    before = True
+
+    @classmethod
+    def hold(cls) -> None:
+        if cls.holders == 0:
+            cls.before = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+        cls.holders += 1
+
+    @classmethod
+    def release(cls) -> None:
+        cls.holders -= 1
+        if cls.holders == 0:
+            torch.backends.mha.set_fastpath_enabled(cls.before)
+
+
 _HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads")  # MHA, BERT / RoBERTa, DistilBERT
 
 
@@ -129,27 +152,32 @@ class AttentionCapture:
         self.disable_fastpath = disable_fastpath
         self.output_index = dict(output_index or {})
         self._handles: list[RemovableHandle] = []
-        self._fastpath_before: bool | None = None
+        self._holds_fastpath = False
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
         self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
 
     @property
     def attached(self) -> bool:
-        """Whether hooks are currently registered."""
-        return bool(self._handles)
+        """Whether hooks are currently registered (or the fast path is held off)."""
+        return bool(self._handles) or self._holds_fastpath
 
     def attach(self) -> AttentionCapture:
         """Register the hooks and switch the fast path off. Attaching twice is a no-op."""
-        if self._handles:
+        if self.attached:
             return self
         try:
             if self.disable_fastpath:
-                self._fastpath_before = torch.backends.mha.get_fastpath_enabled()
-                torch.backends.mha.set_fastpath_enabled(False)
+                _FastpathOff.hold()
+                self._holds_fastpath = True
             for name, module in self.modules.items():
                 if isinstance(module, nn.MultiheadAttention):
                     self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-                    self._handles.append(module.register_forward_hook(self._hook(name, module), with_kwargs=True))
+                    # Prepended: forward hooks then run in the reverse order of their pre-hooks, so with two captures
+                    # attached (two monitors on one Trainer) the later one reads the weights before the earlier one,
+                    # which saw the caller's own request, hands back what the caller asked for; and hooks the user
+                    # registered before see the output they would see without us.
+                    hook = self._hook(name, module)
+                    self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
                 else:
                     self._handles.append(module.register_forward_hook(self._read_hook(name)))
         except BaseException:
@@ -163,9 +191,9 @@ class AttentionCapture:
             handle.remove()
         self._handles.clear()
         self._requested.clear()
-        if self._fastpath_before is not None:
-            torch.backends.mha.set_fastpath_enabled(self._fastpath_before)
-            self._fastpath_before = None
+        if self._holds_fastpath:
+            self._holds_fastpath = False
+            _FastpathOff.release()
 
     def __enter__(self) -> AttentionCapture:
         return self.attach()

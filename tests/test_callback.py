@@ -216,6 +216,23 @@ def test_callback_without_tensorboard_logs_scalars_and_warns_once(tmp_path):
     assert "attention_asymmetry/encoder.layers.0.self_attn" in text
 
 
+def test_two_monitors_on_one_trainer_log_the_same_numbers_and_restore_the_fastpath(tmp_path):
+    # The first monitor's hook used to hand the caller's (out, None) on to the second, which then saw no weights.
+    seed_everything(0)
+    first = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], prefix="first")
+    second = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], prefix="second", per_head=False)
+    model = TinyEncoder()
+    train, val = loaders()
+    t = trainer(tmp_path, [first, second])
+    t.fit(model, train, val)
+    assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+    metrics = t.callback_metrics
+    layer_scalars = [tag for tag in metrics if tag.startswith("first_")]
+    assert len(layer_scalars) > 10
+    for tag in layer_scalars:  # per_head=False keeps the mean of the heads: the layer scalars are the same
+        torch.testing.assert_close(metrics[tag.replace("first_", "second_", 1)], metrics[tag], rtol=1e-5, atol=1e-6)
+
+
 def test_callback_per_head_scalars_skip_the_sanity_check_like_lightnings_own_scalars(tmp_path):
     seed_everything(0)
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], log_sanity_check=True)

@@ -95,6 +95,42 @@ def test_capture_gives_caller_what_it_asked_for_positional_need_weights():
     assert len(calls[""]) == 3 and all(w.shape == (2, 2, 3, 3) for w in calls[""])
 
 
+@pytest.mark.parametrize("inner_first", [True, False])
+def test_two_captures_both_read_every_call_and_the_last_detach_restores_fastpath(inner_first):
+    # Two monitors on one Trainer: both attached at once, detached in the order they attached (or the other).
+    model = encoder(nested=False)
+    mha = model.layers[0].self_attn
+    seen_by_user_hook = []
+    mha.register_forward_hook(lambda module, args, output: seen_by_user_hook.append(output[1]))  # before ours
+    x = torch.randn(2, 5, 16)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    with torch.no_grad():
+        reference = model(x)
+        _, averaged = mha(x, x, x)
+        outer_calls, outer = count_calls(model)
+        inner_calls, inner = count_calls(model)
+        outer.attach()
+        inner.attach()
+        out = model(x)
+        out_none, out_avg = mha(x, x, x, need_weights=False), mha(x, x, x)
+        for capture in (inner, outer) if inner_first else (outer, inner):
+            assert not torch.backends.mha.get_fastpath_enabled()
+            capture.detach()
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+    torch.testing.assert_close(out, reference)
+    assert out_none[1] is None
+    torch.testing.assert_close(out_avg[1], averaged)
+    for calls in (outer_calls, inner_calls):
+        assert sorted(calls) == ["layers.0.self_attn", "layers.1.self_attn"]
+        assert len(calls["layers.0.self_attn"]) == 3 and len(calls["layers.1.self_attn"]) == 1
+        assert all(w.shape[1] == 4 for w in calls["layers.0.self_attn"])  # per head, whatever the caller asked
+    torch.testing.assert_close(inner_calls["layers.0.self_attn"][0], outer_calls["layers.0.self_attn"][0])
+    # A hook of the user's, registered before, sees what the caller asked for: no weights from the layer's call.
+    unhooked_layer_call, unhooked_averaged, layer_call, none, averaged_call = seen_by_user_hook
+    assert unhooked_layer_call is None and layer_call is None and none is None
+    assert unhooked_averaged.shape == averaged_call.shape == (2, 5, 5)
+
+
 def test_capture_detaches_and_restores_fastpath_after_exception():
     model = encoder()
 
