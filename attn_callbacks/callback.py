@@ -115,12 +115,15 @@ class AttentionMonitor(Callback):
         num_pairs: rows of the text tables (one-way pairs, lift pairs, moved tokens, hubs).
         min_support: the least evidence a table or drift row needs: pair count both ways for one-way pairs, pair
             count for lift pairs, query count in both epochs for a row of the drift.
-        log_every_n_epochs: monitor validation epochs 0, n, 2n, ... (other epochs are not hooked at all).
+        log_every_n_epochs: monitor every n-th validation epoch of the run: the 1st, the (n + 1)-th, ... (the
+            sanity check not counted); with Lightning's ``check_val_every_n_epoch=c`` validation runs after training
+            epochs c - 1, 2c - 1, ..., and every n-th of those is monitored. Other validation epochs are not hooked.
         log_sanity_check: also monitor Lightning's sanity-check validation pass (it never becomes a drift epoch).
         validate_args: check token id ranges every batch (one host sync per stream and batch); turn off for speed.
         prefix: the first part of every logged tag.
-        drift_reference_epoch: the monitored epoch that drift ``..._ref`` compares against; the first monitored epoch
-            when None.
+        drift_reference_epoch: the (training) epoch whose monitored validation drift ``..._ref`` compares against; the
+            first monitored epoch when None. When that epoch is not monitored (no validation then, or
+            ``log_every_n_epochs`` skips it), the first monitored epoch after it is the reference, with a warning.
         sink_ids: key-vocabulary ids of special tokens ([CLS], [SEP], BOS ...) whose share of attention is logged as
             ``sink_mass``; a sequence for every key stream, or a mapping stream name -> sequence.
         entropy_collapse_threshold: warn once per head when its normalised entropy falls below this (0 disables).
@@ -295,6 +298,9 @@ class AttentionMonitor(Callback):
         self._reference: dict[str, dict[str, Tensor]] = {}
         self._previous_epoch: int | None = None
         self._reference_epoch: int | None = None
+        self._validation_epochs = (
+            0  # non-sanity validation epochs seen, monitored or not: log_every_n_epochs counts them
+        )
         # Probe: frozen ids per stream (probe_samples, L) on CPU; this epoch's weights per module (n, H, Lq, Lk).
         self._probe_ids: dict[str, Tensor] | None = None
         self._probe_weights: dict[str, Tensor] = {}
@@ -581,6 +587,7 @@ class AttentionMonitor(Callback):
             "version": _STATE_VERSION,
             "previous_epoch": self._previous_epoch,
             "reference_epoch": self._reference_epoch,
+            "validation_epochs": self._validation_epochs,
             "previous": _checkpointed(self._previous),
             "reference": _checkpointed(self._reference),
             "probe_ids": self._probe_ids,
@@ -595,6 +602,7 @@ class AttentionMonitor(Callback):
             )
         self._previous_epoch = state_dict["previous_epoch"]
         self._reference_epoch = state_dict["reference_epoch"]
+        self._validation_epochs = state_dict.get("validation_epochs", 0)  # older checkpoints: count from here
         self._previous = state_dict["previous"]
         self._reference = state_dict["reference"]
         self._probe_ids = state_dict["probe_ids"]
@@ -608,7 +616,10 @@ class AttentionMonitor(Callback):
     def _monitored(self, trainer: Trainer) -> bool:
         if trainer.sanity_checking:
             return self.log_sanity_check
-        return trainer.current_epoch % self.log_every_n_epochs == 0
+        # Validation epochs, not training ones: with check_val_every_n_epoch = 2, say, validation runs after training
+        # epochs 1, 3, 5 ... only, and current_epoch % n could never be 0.
+        seen, self._validation_epochs = self._validation_epochs, self._validation_epochs + 1
+        return seen % self.log_every_n_epochs == 0
 
     def _reset_sums(self) -> None:
         for metric in self._metrics.values():
@@ -828,8 +839,15 @@ class AttentionMonitor(Callback):
         retired, kept = self._previous, self._reference
         self._previous, self._previous_epoch = snapshot, epoch
         wanted = self.drift_reference_epoch
-        if self._reference_epoch is None and (wanted is None or wanted == epoch):
+        if self._reference_epoch is None and (wanted is None or epoch >= wanted):
             self._reference, self._reference_epoch = snapshot, epoch
+            if wanted is not None and epoch > wanted:
+                self._warn_once(
+                    "reference_epoch",
+                    f"AttentionMonitor: argument `drift_reference_epoch`={wanted} names an epoch that was not "
+                    f"monitored (no validation then, or `log_every_n_epochs`={self.log_every_n_epochs} skipped it); "
+                    f"epoch {epoch}, the first monitored one after it, is the drift reference instead",
+                )
         # A retired P is ours to reuse only if no snapshot still in use shares its memory, and nothing outside (a
         # state dict being written by a checkpoint thread, say) refers to it: no more references than a stand-in
         # held the same way (a dict entry and a local) has, whatever this Python counts.

@@ -285,6 +285,27 @@ def test_callback_log_every_n_epochs_hooks_only_logged_epochs(tmp_path):
     assert "attention_mass_heads/encoder.layers.0.self_attn" not in events.Tags()["images"]
 
 
+def test_callback_log_every_n_epochs_counts_validation_epochs_and_a_skipped_reference_epoch_moves_on(tmp_path):
+    # Validation after training epochs 1, 3, 5 only: the 1st and 3rd are monitored (epoch % 2 never was 0, so nothing
+    # was). drift_reference_epoch=3 is not monitored: epoch 5, the next monitored one, becomes the reference.
+    seed_everything(0)
+    monitor = AttentionMonitor(
+        VOCAB, "input_ids", ignore_ids=[PAD], log_every_n_epochs=2, per_head=False, drift_reference_epoch=3
+    )
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], num_sanity_val_steps=0, max_epochs=6, check_val_every_n_epoch=2)
+    with pytest.warns(UserWarning, match="`drift_reference_epoch`=3 .* epoch 5, the first monitored one after it"):
+        t.fit(TinyEncoder(), train, val)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    layer = "encoder.layers.0.self_attn"
+    epochs = {e.step: e.value for e in events.Scalars("epoch")}
+    assert [epochs[e.step] for e in events.Scalars(f"attention_entropy/{layer}")] == [1.0, 5.0]
+    assert [epochs[e.step] for e in events.Scalars(f"attention_drift/js_prev/{layer}")] == [5.0]
+    assert f"attention_drift/js_ref/{layer}" not in events.Tags()["scalars"]  # compared from the epoch after it on
+    assert monitor.state_dict()["validation_epochs"] == 3 and monitor.state_dict()["reference_epoch"] == 5
+
+
 class Seq2Seq(LightningModule):
     def __init__(self, src_vocab=7, tgt_vocab=9, batch_first=True):
         super().__init__()
@@ -455,7 +476,9 @@ def test_callback_nan_rows_are_counted_skipped_and_warned_once(tmp_path):
     ids = torch.randint(1, VOCAB, (3, LENGTH), generator=torch.Generator().manual_seed(0))
     monitor = Recorder(VOCAB, "input_ids")
     t = trainer(tmp_path, [monitor])
-    with pytest.warns(UserWarning, match="6 query rows of attention module 'attn' had non-finite weights") as record:
+    with pytest.warns(
+        UserWarning, match="6 query rows of attention module 'attn' had non-finite or all-zero weights"
+    ) as record:
         t.validate(MaskedRowModel(), DataLoader([{"input_ids": ids}] * 2, batch_size=None), verbose=False)
     assert sum("non-finite" in str(w.message) for w in record) == 1
     stats = monitor.last["attn"]
