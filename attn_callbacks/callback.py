@@ -69,6 +69,45 @@ def _int_list(name: str, value: Any) -> list[int]:
     return sorted(set(value))
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):  # "False" or "no" would read as True
+        raise ValueError(f"Expected argument `{name}` to be True or False, but got {value!r}")
+    return value
+
+
+def _labels_source(value: Any, where: str = "") -> TokenLabels:
+    """One stream's ``id_to_token``, checked: None, a tokenizer, a callable, a sequence of labels, or ids -> labels."""
+    if value is None or isinstance(value, Tokenizer):
+        return value
+    if isinstance(value, Mapping):
+        keys = [key for key in value if not isinstance(key, int) or isinstance(key, bool)]
+        if keys:
+            raise ValueError(
+                f"Argument `id_to_token`{where} maps ids to labels, so its keys must be integer ids, but it has keys "
+                f"{keys[:5]!r} (a tokenizer's get_vocab() maps tokens to ids: invert it, or pass the tokenizer)"
+            )
+        return value
+    if callable(value) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes))):
+        return value
+    raise ValueError(
+        f"Expected argument `id_to_token`{where} to be a sequence of labels, a mapping id -> label, a callable, a "
+        f"tokenizer or None, but got {value!r}"
+    )
+
+
+def _token_labels(id_to_token: Any, streams: list[str]) -> dict[str, TokenLabels]:
+    """Every stream's labels: ``id_to_token`` for all, or a mapping stream -> labels (string keys, all streams)."""
+    if isinstance(id_to_token, Mapping) and any(isinstance(key, str) for key in id_to_token):
+        unknown = [key for key in id_to_token if key not in streams]
+        if unknown:
+            raise ValueError(
+                f"Argument `id_to_token` names unknown stream(s) {unknown}; streams: {streams} (an id -> label "
+                "mapping takes integer ids as keys)"
+            )
+        return {s: _labels_source(id_to_token.get(s), f" for stream {s!r}") for s in streams}
+    return dict.fromkeys(streams, _labels_source(id_to_token))
+
+
 class AttentionMonitor(Callback):
     r"""Log which vocabulary items attend to which, per attention layer and head, and how that drifts over epochs.
 
@@ -140,12 +179,14 @@ class AttentionMonitor(Callback):
             epochs). ``predict`` is never monitored.
         max_tracked_tokens: keep exact sums for at most this many ids of a stream (an int for every stream, or a
             mapping stream name -> int) and fold every other id into one ``<other>`` bucket on each axis, so rows
-            still sum to 1 and no mass is lost. State then grows with ``K²`` instead of ``V²``. The ids are the
+            still sum to 1 and no mass is lost (every scalar counts the bucket; heatmaps and tables show tokens
+            only). State then grows with ``K²`` instead of ``V²``. The ids are the
             ``sink_ids`` plus the most frequent ids of the validation set, counted in one pass over the validation
             dataloaders (token ids only, no forward) when the first monitored epoch starts, then frozen (and
             checkpointed) so epochs stay comparable. Streams whose vocabulary is not larger are kept whole.
         tracked_ids: the ids to track instead of counting them: a sequence for every stream, or a mapping stream
-            name -> sequence (``sink_ids`` are added). Other ids fold into ``<other>``.
+            name -> sequence (``sink_ids`` are added); ``max_tracked_tokens`` is not used for a stream given here.
+            Other ids fold into ``<other>``.
         memory_budget: the most bytes of sums the callback may hold per device, over all modules and dataloaders
             (a number, or a string such as ``"1GiB"`` or ``"512MB"``); it refuses to start, naming the figure and the
             knobs, rather than run out of memory. None for no limit. The figure is logged once either way.
@@ -212,23 +253,35 @@ class AttentionMonitor(Callback):
         self._getters = stream_getters(token_ids)
         self._vocab = resolve_vocab_sizes(vocab_size, list(self._getters))
         streams = list(self._getters)
-        if isinstance(id_to_token, Mapping) and id_to_token and all(key in streams for key in id_to_token):
-            self._labels: dict[str, TokenLabels] = {s: id_to_token.get(s) for s in streams}
-        else:
-            self._labels = dict.fromkeys(streams, id_to_token)
+        self._labels = _token_labels(id_to_token, streams)
         if modules is not None and (isinstance(modules, str) or not all(isinstance(p, str) for p in modules)):
             raise ValueError(f"Expected argument `modules` to be a list of fnmatch patterns, but got {modules!r}")
         self.modules = None if modules is None else list(modules)
-        self.attention_streams = dict(attention_streams) if attention_streams else None
+        if attention_streams is not None and not (
+            isinstance(attention_streams, Mapping)
+            and all(
+                isinstance(pattern, str)
+                and isinstance(pair, Sequence)
+                and not isinstance(pair, str)
+                and len(pair) == 2
+                and all(isinstance(stream, str) for stream in pair)
+                for pattern, pair in attention_streams.items()
+            )
+        ):
+            raise ValueError(
+                "Expected argument `attention_streams` to map module name patterns to (query stream, key stream) "
+                f"pairs, such as {{'decoder.*.multihead_attn': ('tgt', 'src')}}, but got {attention_streams!r}"
+            )
+        self.attention_streams = {k: tuple(v) for k, v in attention_streams.items()} if attention_streams else None
         self.ignore_ids = _int_list("ignore_ids", ignore_ids)
-        self.batch_first = bool(batch_first)
+        self.batch_first = _flag("batch_first", batch_first)
         self.top_k = _positive_int("top_k", top_k)
-        self.per_head = bool(per_head)
+        self.per_head = _flag("per_head", per_head)
         self.num_pairs = _positive_int("num_pairs", num_pairs, minimum=0)
         self.min_support = _positive_int("min_support", min_support)
         self.log_every_n_epochs = _positive_int("log_every_n_epochs", log_every_n_epochs)
-        self.log_sanity_check = bool(log_sanity_check)
-        self.validate_args = bool(validate_args)
+        self.log_sanity_check = _flag("log_sanity_check", log_sanity_check)
+        self.validate_args = _flag("validate_args", validate_args)
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"Expected argument `prefix` to be a non-empty string, but got {prefix!r}")
         self.prefix = prefix
@@ -251,6 +304,11 @@ class AttentionMonitor(Callback):
                 "Argument `probe_forward` runs a probe batch you give in `probe`; with probe='first' the probe is read "
                 "from the normal validation pass, so leave `probe_forward` as None"
             )
+        if probe is None and probe_forward is not None:
+            raise ValueError(
+                "Argument `probe_forward` runs a probe batch given in argument `probe`, which is None; pass the batch "
+                "as `probe` (or leave `probe_forward` as None)"
+            )
         if probe is not None and probe != "first" and not callable(probe_forward):
             raise ValueError(
                 "A probe batch given in argument `probe` needs argument `probe_forward`, a callable "
@@ -262,8 +320,12 @@ class AttentionMonitor(Callback):
         if export not in (None, "pt", "npz"):
             raise ValueError(f"Expected argument `export` to be 'pt', 'npz' or None, but got {export!r}")
         self.export = export
+        if export_dir is not None and not isinstance(export_dir, (str, Path)):
+            raise ValueError(
+                f"Expected argument `export_dir` to be a path (str or Path) or None, but got {export_dir!r}"
+            )
         self.export_dir = export_dir
-        self.monitor_test = bool(monitor_test)
+        self.monitor_test = _flag("monitor_test", monitor_test)
         self._track_limit = self._resolve_track_limit(max_tracked_tokens, streams)
         # stream -> the tracked ids, compact index c holding id tracked[c] (CPU int64); frozen once set.
         self._tracked: dict[str, Tensor] = self._resolve_tracked_ids(tracked_ids, streams)
@@ -513,10 +575,15 @@ class AttentionMonitor(Callback):
             self._release()
         writer = _tensorboard_writer(trainer)
         if writer is None and trainer.is_global_zero:
+            why = (
+                "fast_dev_run replaces the Trainer's loggers with a dummy one"
+                if trainer.fast_dev_run
+                else "no TensorBoardLogger in the Trainer"
+            )
             self._warn_once(
                 "no_tb",
-                "AttentionMonitor: no TensorBoardLogger in the Trainer, so heatmaps and tables are "
-                "skipped; scalars are still logged to the Trainer's loggers.",
+                f"AttentionMonitor: {why}, so heatmaps and tables are skipped; scalars are still logged to the "
+                "Trainer's loggers.",
             )
         writer = writer if trainer.is_global_zero else None
         # A collective under DDP. Views of the state, summed in place, with no copy: it is reset right after use.
@@ -894,6 +961,11 @@ class AttentionMonitor(Callback):
             global_step=trainer.global_step,
         )
 
+    def _tokens(self, stream: str) -> slice:
+        """The accumulated indices that are tokens: all but the last, ``<other>``, of a tracked stream. The bucket
+        counts in every scalar, but it is no token to show in a heatmap or a table (it would lead them all)."""
+        return slice(0, len(self._tracked[stream])) if stream in self._tracked else slice(None)
+
     def _full_labels(self, stream: str) -> list[str]:
         return self._label(range(self._size(stream)), stream, max_length=None)
 
@@ -1040,9 +1112,10 @@ class AttentionMonitor(Callback):
         texts: dict[str, str] = {}
         if not suffix:
             self._probe_images(images, name, layer)
-        rows = F.top_tokens(stats.query_count, self.top_k)
+        # Slicing <other> off the end keeps every index as it is.
+        rows = F.top_tokens(stats.query_count[self._tokens(query_stream)], self.top_k)
         key_frequency = stats.pair_count.sum(dim=0)
-        cols = rows if square else F.top_tokens(key_frequency, self.top_k)
+        cols = rows if square else F.top_tokens(key_frequency[self._tokens(key_stream)], self.top_k)
         if len(rows) and len(cols):
             row_labels = self._label(rows.tolist(), query_stream)
             col_labels = self._label(cols.tolist(), key_stream)
@@ -1187,7 +1260,9 @@ class AttentionMonitor(Callback):
     ) -> dict[str, str]:
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
-        count = stats.pair_count
+        # Tokens only (no <other>): slicing it off the end keeps every index as it is.
+        tq, tk = self._tokens(query_stream), self._tokens(key_stream)
+        count = stats.pair_count[tq, tk]
         tables: dict[str, str] = {}
 
         def table(header: Sequence[str], rows: list[Sequence[object]], empty: str) -> str:
@@ -1203,11 +1278,11 @@ class AttentionMonitor(Callback):
         if square:
             rows = [
                 (q_label(a), k_label(b), score, float(mass[a, b]), float(mass[b, a]), int(count[a, b]))
-                for a, b, score in F.one_way_pairs(mass, count, self.num_pairs, self.min_support)
+                for a, b, score in F.one_way_pairs(mass[tq, tk], count, self.num_pairs, self.min_support)
             ]
             header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
             tables[f"{prefix}_one_way_pairs/{layer}"] = table(header, rows, f"{needs} in both directions.")
-        lift = F.lift(sum_mean, stats.uniform_sum)
+        lift = F.lift(sum_mean[tq, tk], stats.uniform_sum[tq, tk])
         rows = [
             (q_label(a), k_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / stats.query_count[a]))
             for a, b, score in F.top_pairs(lift, count, self.num_pairs, self.min_support)
@@ -1218,7 +1293,13 @@ class AttentionMonitor(Callback):
             ref_mass = _snapshot_mean(reference)  # where the snapshot lives: only the moved rows are read
             ref_count = reference["query_count"].to(mass.device)
             moved = F.moved_tokens(
-                mass, None, stats.query_count, ref_count, self.num_pairs, self.min_support, moved_rows["ref"]
+                mass[tq],
+                None,
+                stats.query_count[tq],
+                ref_count[tq],
+                self.num_pairs,
+                self.min_support,
+                moved_rows["ref"][tq],
             )
             prev_js: list[Any] = [""] * len(moved)
             if "prev" in moved_rows and moved:  # NaN (not shown) where the token was too rare in the previous epoch
@@ -1231,8 +1312,8 @@ class AttentionMonitor(Callback):
                     q_label(a),
                     js,
                     prev,
-                    k_label(int(mass[a].argmax())),
-                    k_label(int(ref_mass[a].argmax())),
+                    k_label(int(mass[a, tk].argmax())),
+                    k_label(int(ref_mass[a, tk].argmax())),
                     int(stats.query_count[a]),
                 )
                 for (a, js), prev in zip(moved, prev_js, strict=True)
@@ -1253,11 +1334,11 @@ class AttentionMonitor(Callback):
             start = start if start is not None and start.shape == degree.shape else None  # a new model: no guess
             rank = F.pagerank(sum_mean, start=start)
             self._ranks[(name, prefix, suffix)] = rank
-            order = F.top_tokens(rank * (degree > 0), self.num_pairs).tolist()
+            order = F.top_tokens((rank * (degree > 0))[tk], self.num_pairs).tolist()
             rows = [(k_label(b), float(rank[b]), float(degree[b]), int(stats.query_count[b])) for b in order]
             header = ("token", "PageRank", "in-degree (share of attention received)", "Q")
         else:
-            order = F.top_tokens(degree, self.num_pairs).tolist()
+            order = F.top_tokens(degree[tk], self.num_pairs).tolist()
             rows = [(k_label(b), float(degree[b])) for b in order]
             header = ("key token", "in-degree (share of attention received)")
         tables[f"{prefix}_hubs/{layer}"] = table(header, rows, "No attention recorded.")

@@ -266,7 +266,7 @@ def parse_bytes(name: str, value: int | float | str) -> int:
             number = None
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
-    if number is None or not number > 0 or number == float("inf"):
+    if number is None or not number >= 1 or number == float("inf"):  # 0.5 bytes would be a budget of 0
         raise ValueError(
             f"Expected argument `{name}` to be a positive number of bytes or a string such as '1GiB' or '512MB', "
             f"but got {value!r}"

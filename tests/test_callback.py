@@ -216,6 +216,14 @@ def test_callback_without_tensorboard_logs_scalars_and_warns_once(tmp_path):
     assert "attention_asymmetry/encoder.layers.0.self_attn" in text
 
 
+def test_callback_under_fast_dev_run_says_why_there_are_no_images(tmp_path):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], fast_dev_run=True)  # a TensorBoardLogger given, replaced by Lightning
+    with pytest.warns(UserWarning, match="fast_dev_run replaces the Trainer's loggers with a dummy one"):
+        t.fit(TinyEncoder(), train, val)
+
+
 def test_two_monitors_on_one_trainer_log_the_same_numbers_and_restore_the_fastpath(tmp_path):
     # The first monitor's hook used to hand the caller's (out, None) on to the second, which then saw no weights.
     seed_everything(0)
@@ -427,6 +435,45 @@ def test_callback_bad_batch_input_raises_clear_error(tmp_path, kwargs, batches, 
         ({"vocab_size": 5, "modules": "encoder.*"}, "`modules` to be a list of fnmatch patterns, but got 'encoder"),
         ({"vocab_size": 5, "prefix": ""}, "`prefix` to be a non-empty string, but got ''"),
         ({"vocab_size": 5, "probe_samples": 0}, "`probe_samples` to be a positive integer, but got 0"),
+        ({"vocab_size": 5, "per_head": "False"}, "`per_head` to be True or False, but got 'False'"),
+        ({"vocab_size": 5, "batch_first": None}, "`batch_first` to be True or False, but got None"),
+        ({"vocab_size": 5, "validate_args": 0}, "`validate_args` to be True or False, but got 0"),
+        ({"vocab_size": 5, "id_to_token": 5}, "`id_to_token` to be a sequence of labels.*but got 5"),
+        ({"vocab_size": 5, "id_to_token": "abc"}, "`id_to_token` to be a sequence of labels.*but got 'abc'"),
+        (
+            {"vocab_size": 5, "id_to_token": {"the": 1, "a": 2}},
+            "`id_to_token` names unknown stream\\(s\\) \\['the', 'a'\\]",
+        ),
+        (
+            {
+                "vocab_size": {"src": 5, "tgt": 5},
+                "token_ids": {"src": "s", "tgt": "t"},
+                "id_to_token": {"src": ["x"], "target": ["y"]},
+            },
+            "`id_to_token` names unknown stream\\(s\\) \\['target'\\]",
+        ),
+        (
+            {"vocab_size": 5, "id_to_token": {1: "a", "b": "c"}},
+            "`id_to_token` names unknown stream\\(s\\) \\[1, 'b'\\]",
+        ),
+        (
+            {"vocab_size": {"src": 5}, "token_ids": {"src": "s"}, "id_to_token": {"src": {"the": 1}}},
+            "`id_to_token` for stream 'src' maps ids to labels.*keys \\['the'\\].*get_vocab",
+        ),
+        ({"vocab_size": 5, "export_dir": 5}, "`export_dir` to be a path \\(str or Path\\) or None, but got 5"),
+        (
+            {"vocab_size": 5, "attention_streams": ["x"]},
+            "`attention_streams` to map module name patterns.*but got \\['x'\\]",
+        ),
+        (
+            {"vocab_size": 5, "attention_streams": {"*": "src"}},
+            "`attention_streams` to map.*but got \\{'\\*': 'src'\\}",
+        ),
+        (
+            {"vocab_size": 5, "probe_forward": len},
+            "`probe_forward` runs a probe batch given in argument `probe`, which is None",
+        ),
+        ({"vocab_size": 5, "memory_budget": 0.5}, "`memory_budget` to be a positive number of bytes.*but got 0.5"),
     ],
 )
 def test_callback_bad_arguments_raise_naming_the_argument(kwargs, match):
@@ -872,6 +919,36 @@ def test_callback_tracked_vocabulary_equals_dense_on_the_tracked_block_and_other
         torch.testing.assert_close(t.position_sums, d.position_sums)  # positions do not depend on the vocabulary
     labels = tracked._label(range(5), "tokens")
     assert labels == [str(i) for i in expected] + ["<other>"]
+
+
+def test_callback_heatmaps_and_tables_show_tokens_not_the_other_bucket(tmp_path):
+    # 3 tracked ids of 11: <other> holds most queries and keys and would lead every ranking.
+    seed_everything(0)
+    monitor = AttentionMonitor(
+        VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=3, top_k=VOCAB, num_pairs=50, min_support=1
+    )
+    drawn = []
+    heatmap = monitor._figures.heatmap
+
+    def record(tag, matrix, row_labels, col_labels, *args, **kwargs):
+        drawn.append((tag, list(row_labels), list(col_labels)))
+        return heatmap(tag, matrix, row_labels, col_labels, *args, **kwargs)
+
+    monitor._figures.heatmap = record
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], num_sanity_val_steps=0)
+    t.fit(TinyEncoder(), train, val)
+    tracked = [str(i) for i in monitor._tracked["tokens"].tolist()]
+    assert drawn and all(rows == cols == tracked for _, rows, cols in drawn)  # every token shown, no <other>
+    events = EventAccumulator(t.logger.log_dir, size_guidance={TENSORS: 0})
+    events.Reload()
+    tables = [tag for tag in events.Tags()["tensors"] if tag.endswith("/text_summary")]
+    assert {tag.split("/")[0] for tag in tables} == {
+        f"attention_{table}" for table in ("one_way_pairs", "lift_pairs", "hubs", "drift_tokens")
+    }
+    for tag in tables:
+        text = events.Tensors(tag)[-1].tensor_proto.string_val[0].decode()
+        assert "<other>" not in text and any(f"| {token} |" in text for token in tracked), (tag, text)
 
 
 def test_callback_tracked_ids_are_frozen_across_epochs_and_carried_by_the_checkpoint_state(tmp_path):
