@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import numbers
+import os
 import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -12,10 +14,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -70,9 +74,9 @@ def _int_list(name: str, value: Any) -> list[int]:
 
 
 def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):  # "False" or "no" would read as True
+    if not isinstance(value, (bool, np.bool_)):  # "False" or "no" would read as True
         raise ValueError(f"Expected argument `{name}` to be True or False, but got {value!r}")
-    return value
+    return bool(value)
 
 
 def _labels_source(value: Any, where: str = "") -> TokenLabels:
@@ -80,14 +84,15 @@ def _labels_source(value: Any, where: str = "") -> TokenLabels:
     if value is None or isinstance(value, Tokenizer):
         return value
     if isinstance(value, Mapping):
-        keys = [key for key in value if not isinstance(key, int) or isinstance(key, bool)]
+        keys = [key for key in value if not isinstance(key, numbers.Integral) or isinstance(key, bool)]
         if keys:
             raise ValueError(
                 f"Argument `id_to_token`{where} maps ids to labels, so its keys must be integer ids, but it has keys "
                 f"{keys[:5]!r} (a tokenizer's get_vocab() maps tokens to ids: invert it, or pass the tokenizer)"
             )
         return value
-    if callable(value) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes))):
+    indexable = hasattr(value, "__getitem__") and hasattr(value, "__len__")  # a list, or a numpy array of labels
+    if callable(value) or (indexable and not isinstance(value, (str, bytes))):
         return value
     raise ValueError(
         f"Expected argument `id_to_token`{where} to be a sequence of labels, a mapping id -> label, a callable, a "
@@ -97,8 +102,8 @@ def _labels_source(value: Any, where: str = "") -> TokenLabels:
 
 def _token_labels(id_to_token: Any, streams: list[str]) -> dict[str, TokenLabels]:
     """Every stream's labels: ``id_to_token`` for all, or a mapping stream -> labels (string keys, all streams)."""
-    if isinstance(id_to_token, Mapping) and any(isinstance(key, str) for key in id_to_token):
-        unknown = [key for key in id_to_token if key not in streams]
+    if isinstance(id_to_token, Mapping) and any(key in streams for key in id_to_token):
+        unknown = [key for key in id_to_token if key not in streams][:5]
         if unknown:
             raise ValueError(
                 f"Argument `id_to_token` names unknown stream(s) {unknown}; streams: {streams} (an id -> label "
@@ -154,9 +159,10 @@ class AttentionMonitor(Callback):
         num_pairs: rows of the text tables (one-way pairs, lift pairs, moved tokens, hubs).
         min_support: the least evidence a table or drift row needs: pair count both ways for one-way pairs, pair
             count for lift pairs, query count in both epochs for a row of the drift.
-        log_every_n_epochs: monitor every n-th validation epoch of the run: the 1st, the (n + 1)-th, ... (the
-            sanity check not counted); with Lightning's ``check_val_every_n_epoch=c`` validation runs after training
-            epochs c - 1, 2c - 1, ..., and every n-th of those is monitored. Other validation epochs are not hooked.
+        log_every_n_epochs: monitor every n-th validation epoch of ``trainer.fit``: the 1st, the (n + 1)-th, ...
+            (the sanity check not counted); with Lightning's ``check_val_every_n_epoch=c`` validation runs after
+            training epochs c - 1, 2c - 1, ..., and every n-th of those is monitored. Other validation epochs are not
+            hooked. A ``trainer.validate()`` call is always monitored, and not counted.
         log_sanity_check: also monitor Lightning's sanity-check validation pass (it never becomes a drift epoch).
         validate_args: check token id ranges every batch (one host sync per stream and batch); turn off for speed.
         prefix: the first part of every logged tag.
@@ -304,11 +310,6 @@ class AttentionMonitor(Callback):
                 "Argument `probe_forward` runs a probe batch you give in `probe`; with probe='first' the probe is read "
                 "from the normal validation pass, so leave `probe_forward` as None"
             )
-        if probe is None and probe_forward is not None:
-            raise ValueError(
-                "Argument `probe_forward` runs a probe batch given in argument `probe`, which is None; pass the batch "
-                "as `probe` (or leave `probe_forward` as None)"
-            )
         if probe is not None and probe != "first" and not callable(probe_forward):
             raise ValueError(
                 "A probe batch given in argument `probe` needs argument `probe_forward`, a callable "
@@ -320,7 +321,7 @@ class AttentionMonitor(Callback):
         if export not in (None, "pt", "npz"):
             raise ValueError(f"Expected argument `export` to be 'pt', 'npz' or None, but got {export!r}")
         self.export = export
-        if export_dir is not None and not isinstance(export_dir, (str, Path)):
+        if export_dir is not None and not isinstance(export_dir, (str, os.PathLike)):
             raise ValueError(
                 f"Expected argument `export_dir` to be a path (str or Path) or None, but got {export_dir!r}"
             )
@@ -360,9 +361,9 @@ class AttentionMonitor(Callback):
         self._reference: dict[str, dict[str, Tensor]] = {}
         self._previous_epoch: int | None = None
         self._reference_epoch: int | None = None
-        self._validation_epochs = (
-            0  # non-sanity validation epochs seen, monitored or not: log_every_n_epochs counts them
-        )
+        # Validation epochs of trainer.fit seen, monitored or not: log_every_n_epochs counts them. None for a run
+        # resumed from a checkpoint saved before the count, which keeps the epoch rule it was saved under.
+        self._validation_epochs: int | None = 0
         # Probe: frozen ids per stream (probe_samples, L) on CPU; this epoch's weights per module (n, H, Lq, Lk).
         self._probe_ids: dict[str, Tensor] | None = None
         self._probe_weights: dict[str, Tensor] = {}
@@ -669,7 +670,7 @@ class AttentionMonitor(Callback):
             )
         self._previous_epoch = state_dict["previous_epoch"]
         self._reference_epoch = state_dict["reference_epoch"]
-        self._validation_epochs = state_dict.get("validation_epochs", 0)  # older checkpoints: count from here
+        self._validation_epochs = state_dict.get("validation_epochs")
         self._previous = state_dict["previous"]
         self._reference = state_dict["reference"]
         self._probe_ids = state_dict["probe_ids"]
@@ -683,6 +684,10 @@ class AttentionMonitor(Callback):
     def _monitored(self, trainer: Trainer) -> bool:
         if trainer.sanity_checking:
             return self.log_sanity_check
+        if trainer.state.fn != TrainerFn.FITTING:
+            return True  # trainer.validate(): asked for explicitly, and not counted
+        if self._validation_epochs is None:
+            return trainer.current_epoch % self.log_every_n_epochs == 0
         # Validation epochs, not training ones: with check_val_every_n_epoch = 2, say, validation runs after training
         # epochs 1, 3, 5 ... only, and current_epoch % n could never be 0.
         seen, self._validation_epochs = self._validation_epochs, self._validation_epochs + 1
@@ -912,8 +917,8 @@ class AttentionMonitor(Callback):
                 self._warn_once(
                     "reference_epoch",
                     f"AttentionMonitor: argument `drift_reference_epoch`={wanted} names an epoch that was not "
-                    f"monitored (no validation then, or `log_every_n_epochs`={self.log_every_n_epochs} skipped it); "
-                    f"epoch {epoch}, the first monitored one after it, is the drift reference instead",
+                    f"monitored (no validation then, `log_every_n_epochs`={self.log_every_n_epochs} skipped it, or it "
+                    f"saw no token); epoch {epoch}, the first monitored one after it, is the drift reference instead",
                 )
         # A retired P is ours to reuse only if no snapshot still in use shares its memory, and nothing outside (a
         # state dict being written by a checkpoint thread, say) refers to it: no more references than a stand-in

@@ -43,11 +43,13 @@ class _FastpathOff:
     def hold(cls) -> None:
         if cls.holders == 0:
             cls.before = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
+        torch.backends.mha.set_fastpath_enabled(False)  # every time: the user may have switched it back on since
         cls.holders += 1
 
     @classmethod
     def release(cls) -> None:
+        if cls.holders == 0:  # never below 0, or no later capture would switch the flag off
+            return
         cls.holders -= 1
         if cls.holders == 0:
             torch.backends.mha.set_fastpath_enabled(cls.before)
@@ -135,7 +137,8 @@ class AttentionCapture:
         modules: name -> module, as from :func:`find_attention_modules`.
         consumer: called as ``consumer(name, module, weights)`` with ``weights`` of shape ``(B, H, Lq, Lk)``
             (batch-major whatever ``batch_first`` says; ``(H, Lq, Lk)`` for an unbatched call).
-        disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored on detach).
+        disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored when the last
+            capture attached at the time detaches).
         output_index: for modules that are not ``nn.MultiheadAttention``, the index of the weights in their output
             tuple (:func:`attn_callbacks.hf.attention_outputs`); 1 where not given.
     """
@@ -155,6 +158,10 @@ class AttentionCapture:
         self._holds_fastpath = False
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
         self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickle) is detached: hooks and the hold on the fast path stay with this one."""
+        return {**self.__dict__, "_handles": [], "_holds_fastpath": False, "_requested": defaultdict(list)}
 
     @property
     def attached(self) -> bool:

@@ -5,8 +5,9 @@ import io
 import math
 import pickle
 import signal
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+import numpy as np
 import pytest
 import torch
 from _reference import add_loop_sums, naive_js
@@ -314,6 +315,36 @@ def test_callback_log_every_n_epochs_counts_validation_epochs_and_a_skipped_refe
     assert monitor.state_dict()["validation_epochs"] == 3 and monitor.state_dict()["reference_epoch"] == 5
 
 
+def test_callback_validate_is_always_monitored_and_not_counted_and_old_checkpoints_keep_the_epoch_rule(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], log_every_n_epochs=2, per_head=False)
+    model, (train, val) = TinyEncoder(), loaders()
+    layer = "attention_entropy/encoder.layers.0.self_attn"
+    for _ in range(2):  # a baseline before fit: asked for, so watched, and fit's count does not move
+        trainer(tmp_path, [monitor]).validate(model, val, verbose=False)
+        assert monitor.state_dict()["validation_epochs"] == 0
+    t = trainer(tmp_path, [monitor], num_sanity_val_steps=0, max_epochs=3)
+    t.fit(model, train, val)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    epochs = {e.step: e.value for e in events.Scalars("epoch")}
+    assert [epochs[e.step] for e in events.Scalars(layer)] == [0.0, 2.0] and monitor._validation_epochs == 3
+    # A checkpoint from before the count, resumed after epoch 2: training epochs % n, the rule it was saved under,
+    # monitors epoch 4 (a count from 0 would monitor epoch 3).
+    path = tmp_path / "old.ckpt"
+    t.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    del checkpoint["callbacks"][monitor.state_key]["validation_epochs"]
+    torch.save(checkpoint, path)
+    resumed = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], log_every_n_epochs=2, per_head=False)
+    t = trainer(tmp_path / "resumed", [resumed], num_sanity_val_steps=0, max_epochs=5)
+    t.fit(model, train, val, ckpt_path=path)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    epochs = {e.step: e.value for e in events.Scalars("epoch")}
+    assert [epochs[e.step] for e in events.Scalars(layer)] == [4.0] and resumed._validation_epochs is None
+
+
 class Seq2Seq(LightningModule):
     def __init__(self, src_vocab=7, tgt_vocab=9, batch_first=True):
         super().__init__()
@@ -441,8 +472,8 @@ def test_callback_bad_batch_input_raises_clear_error(tmp_path, kwargs, batches, 
         ({"vocab_size": 5, "id_to_token": 5}, "`id_to_token` to be a sequence of labels.*but got 5"),
         ({"vocab_size": 5, "id_to_token": "abc"}, "`id_to_token` to be a sequence of labels.*but got 'abc'"),
         (
-            {"vocab_size": 5, "id_to_token": {"the": 1, "a": 2}},
-            "`id_to_token` names unknown stream\\(s\\) \\['the', 'a'\\]",
+            {"vocab_size": 5, "id_to_token": {f"w{i}": i for i in range(100)}},  # get_vocab(): token -> id
+            "`id_to_token` maps ids to labels.*keys \\['w0', 'w1', 'w2', 'w3', 'w4'\\] \\(a tokenizer's get_vocab",
         ),
         (
             {
@@ -454,7 +485,7 @@ def test_callback_bad_batch_input_raises_clear_error(tmp_path, kwargs, batches, 
         ),
         (
             {"vocab_size": 5, "id_to_token": {1: "a", "b": "c"}},
-            "`id_to_token` names unknown stream\\(s\\) \\[1, 'b'\\]",
+            "`id_to_token` maps ids to labels, so its keys must be integer ids, but it has keys \\['b'\\]",
         ),
         (
             {"vocab_size": {"src": 5}, "token_ids": {"src": "s"}, "id_to_token": {"src": {"the": 1}}},
@@ -469,16 +500,20 @@ def test_callback_bad_batch_input_raises_clear_error(tmp_path, kwargs, batches, 
             {"vocab_size": 5, "attention_streams": {"*": "src"}},
             "`attention_streams` to map.*but got \\{'\\*': 'src'\\}",
         ),
-        (
-            {"vocab_size": 5, "probe_forward": len},
-            "`probe_forward` runs a probe batch given in argument `probe`, which is None",
-        ),
         ({"vocab_size": 5, "memory_budget": 0.5}, "`memory_budget` to be a positive number of bytes.*but got 0.5"),
     ],
 )
 def test_callback_bad_arguments_raise_naming_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AttentionMonitor(**kwargs)
+
+
+def test_callback_accepts_numpy_and_path_like_arguments():
+    labels = np.array([f"tok{i}" for i in range(VOCAB)])
+    monitor = AttentionMonitor(VOCAB, "input_ids", id_to_token=labels, per_head=np.bool_(False))
+    assert monitor.per_head is False and monitor._label([3], "tokens") == ["tok3"]
+    monitor = AttentionMonitor(VOCAB, "input_ids", id_to_token={np.int64(3): "three"}, export_dir=PurePosixPath("x"))
+    assert monitor._label([3, 4], "tokens") == ["three", "4"]
 
 
 def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
@@ -1069,7 +1104,6 @@ def test_callback_shared_colour_scale_is_the_largest_value_drawn_so_far_and_chec
 
 
 def test_callback_images_are_the_events_add_image_writes_and_other_writers_get_add_image(tmp_path):
-    import numpy as np
     from torch.utils.tensorboard import SummaryWriter
 
     from attn_callbacks.callback import _add_image

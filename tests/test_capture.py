@@ -131,6 +131,34 @@ def test_two_captures_both_read_every_call_and_the_last_detach_restores_fastpath
     assert unhooked_averaged.shape == averaged_call.shape == (2, 5, 5)
 
 
+def test_a_copy_of_an_attached_capture_is_detached_and_the_fastpath_count_never_goes_wrong():
+    import copy
+
+    model = encoder(nested=False)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    _, capture = count_calls(model)
+    capture.attach()
+    clone = copy.deepcopy(capture)  # as when a monitor is deep-copied mid-epoch
+    assert not clone.attached
+    clone.detach()
+    clone.detach()  # releasing what it never held changes nothing
+    assert not torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(True)  # the user switches it back on while a capture is attached
+    _, another = count_calls(model)
+    with another:
+        assert not torch.backends.mha.get_fastpath_enabled()  # a new capture switches it off again
+    capture.detach()
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+    assert no_hooks_left(model)
+    with count_calls(model)[1]:  # and later captures still work
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+
+
+def no_hooks_left(model):
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def test_capture_detaches_and_restores_fastpath_after_exception():
     model = encoder()
 
