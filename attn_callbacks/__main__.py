@@ -7,13 +7,16 @@ Usage::
 
 ``OLD``, ``NEW`` and ``EPOCH_FILE`` are ``.pt`` or ``.npz`` files written by :func:`attn_callbacks.save_epoch` (the
 callback's ``export=`` option). Exit status: 0 on success, 2 on bad input (a missing or unreadable file, a module
-that is not in the file, modules whose shapes differ), 1 when networkx is missing for ``graph``.
+that is not in the file, modules whose shapes differ), 1 when networkx is missing for ``graph`` or when the reader of
+the output went away (``... | head``), quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -36,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after ``python -m attn_callbacks``.
 
     Returns:
-        0 on success, 2 on bad input, 1 when an optional dependency is missing. Never raises ``SystemExit``.
+        0 on success, 2 on bad input, 1 when an optional dependency is missing or the output's reader went away.
+        Never raises ``SystemExit``.
 
     Example:
         >>> main(["compare", "missing-old.pt", "missing-new.pt"])  # doctest: +SKIP
@@ -49,12 +53,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_.code or 0)
     try:
         return args.run(args, sys.stdout)
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as command-line tools do
+        _drop_stdout()
+        return 1
     except (_InputError, FileNotFoundError, ValueError) as error:
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return 2
     except ImportError as error:
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return 1
+
+
+def _drop_stdout() -> None:
+    """Point standard output at the null device, so that Python's own flush at exit does not hit the closed pipe."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no file descriptor behind it (a StringIO, say)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _parser() -> argparse.ArgumentParser:

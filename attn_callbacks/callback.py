@@ -101,7 +101,7 @@ def _labels_source(value: Any, where: str = "") -> TokenLabels:
 
 
 def _token_labels(id_to_token: Any, streams: list[str]) -> dict[str, TokenLabels]:
-    """Every stream's labels: ``id_to_token`` for all, or a mapping stream -> labels (string keys, all streams)."""
+    """Every stream's labels: ``id_to_token`` for all, or a mapping stream name -> labels (every key a stream)."""
     if isinstance(id_to_token, Mapping) and any(key in streams for key in id_to_token):
         unknown = [key for key in id_to_token if key not in streams][:5]
         if unknown:

@@ -1,5 +1,6 @@
 import json
 import math
+import subprocess
 import sys
 import zipfile
 
@@ -322,6 +323,26 @@ def test_main_compare_prints_drift_and_moved_tokens(tmp_path, capsys):
             str(int(new[SELF].query_count[token])),
         ]
     assert f"{CROSS}: query tokens whose attention moved most" in text
+
+
+def test_main_compare_into_a_closed_pipe_stops_quietly(tmp_path):
+    # `compare ... | head`: 3,000 moved tokens (~150 KB, more than a pipe holds), the reader gone after one line.
+    g = torch.Generator().manual_seed(0)
+    for name, epoch in (("old.pt", 0), ("new.pt", 1)):
+        sums = torch.rand(1, 3000, 2, generator=g)
+        count = torch.full((3000,), 10)
+        stats = stats_from_sums(
+            sums, count[:, None].expand(3000, 2).clone(), count, torch.tensor(0), sums[0].clone(), torch.zeros(6, 1)
+        )
+        save_epoch(
+            tmp_path / name, {CROSS: stats}, streams={CROSS: ("tgt", "src")}, labels={}, epoch=epoch, global_step=epoch
+        )
+    argv = [sys.executable, "-m", "attn_callbacks", "compare", str(tmp_path / "old.pt"), str(tmp_path / "new.pt")]
+    process = subprocess.Popen([*argv, "--top", "3000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().startswith(b"OLD: ")
+    process.stdout.close()
+    _, errors = process.communicate(timeout=120)
+    assert process.returncode == 1 and errors == b""
 
 
 def test_main_compare_identical_epochs_print_zero_drift(tmp_path, capsys):
