@@ -967,8 +967,9 @@ class AttentionMonitor(Callback):
         )
 
     def _tokens(self, stream: str) -> slice:
-        """The accumulated indices that are tokens: all but the last, ``<other>``, of a tracked stream. The bucket
-        counts in every scalar, but it is no token to show in a heatmap or a table (it would lead them all)."""
+        """The accumulated indices that are tokens: all but the last, ``<other>``, of a tracked stream (slicing it off
+        the end keeps every index as it is). The bucket counts in every scalar, but it is no token to show in a
+        heatmap or a table (it would lead them all)."""
         return slice(0, len(self._tracked[stream])) if stream in self._tracked else slice(None)
 
     def _full_labels(self, stream: str) -> list[str]:
@@ -1117,10 +1118,9 @@ class AttentionMonitor(Callback):
         texts: dict[str, str] = {}
         if not suffix:
             self._probe_images(images, name, layer)
-        # Slicing <other> off the end keeps every index as it is.
         rows = F.top_tokens(stats.query_count[self._tokens(query_stream)], self.top_k)
-        key_frequency = stats.pair_count.sum(dim=0)
-        cols = rows if square else F.top_tokens(key_frequency[self._tokens(key_stream)], self.top_k)
+        # Cross-attention's keys by how often they were visible: a pass over C, not paid for self-attention.
+        cols = rows if square else F.top_tokens(stats.pair_count[:, self._tokens(key_stream)].sum(dim=0), self.top_k)
         if len(rows) and len(cols):
             row_labels = self._label(rows.tolist(), query_stream)
             col_labels = self._label(cols.tolist(), key_stream)
@@ -1265,8 +1265,7 @@ class AttentionMonitor(Callback):
     ) -> dict[str, str]:
         query_stream, key_stream = self._streams_of[name]
         square = query_stream == key_stream
-        # Tokens only (no <other>): slicing it off the end keeps every index as it is.
-        tq, tk = self._tokens(query_stream), self._tokens(key_stream)
+        tq, tk = self._tokens(query_stream), self._tokens(key_stream)  # tokens only, no <other>
         count = stats.pair_count[tq, tk]
         tables: dict[str, str] = {}
 

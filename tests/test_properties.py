@@ -61,9 +61,8 @@ class Spec:
     mask_ignored_keys: bool  # -inf on ignored keys before the softmax (else they keep weight)
     hole_density: float  # share of random -inf attn_mask entries
     temperature: float  # score scale: 0 = uniform, 60 = one-hot with underflowing zeros
-    nonfinite_rows: tuple[
-        tuple[int, int, int, float], ...
-    ]  # (n, i, head or -1 for all heads, nan / inf / 0: all heads)
+    # (n, i, head or -1 for all heads, nan / inf / 0.0; 0.0 always zeroes the whole row, in every head)
+    nonfinite_rows: tuple[tuple[int, int, int, float], ...]
     pad_id: int | None  # id written at ignored positions; None: leave the random id
     dtype: str
     seed: int
@@ -113,7 +112,7 @@ def specs(
         st.integers(0, batch - 1),
         st.integers(0, len_q - 1),
         st.integers(-1, heads - 1),
-        st.sampled_from([math.nan, math.inf, 0.0]),  # 0.0 in every head: a padded query row of the nested path
+        st.sampled_from([math.nan, math.inf, 0.0]),  # 0.0: a row some attention code gives a padded query
     )
     return Spec(
         heads=heads,
