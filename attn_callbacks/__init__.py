@@ -8,10 +8,10 @@ an epoch's sums to disk, read them back and export an attention graph (``python 
 """
 
 from attn_callbacks import functional
+from attn_callbacks.accumulate import AttentionAccumulator, AttentionStats
 from attn_callbacks.callback import AttentionMonitor
 from attn_callbacks.capture import AttentionCapture, capture_attention, find_attention_modules
 from attn_callbacks.export import EpochRecord, export_graph, load_epoch, save_epoch
-from attn_callbacks.metrics import AttentionAccumulator, AttentionStats
 
 __version__ = "0.1.0"
 

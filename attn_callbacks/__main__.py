@@ -21,9 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from attn_callbacks import functional as F
+from attn_callbacks.drift import Snapshot, moved_tokens
 from attn_callbacks.export import EpochRecord, load_epoch
-from attn_callbacks.render import label_tokens
+from attn_callbacks.streams import label_tokens
+from attn_callbacks.summary import drift_between
 
 __all__ = ["main"]
 
@@ -171,13 +172,14 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
     print("  JS: Jensen–Shannon divergence of the rows, in nats (0 .. ln 2), averaged with weights Q_new", file=out)
     print("  rel. Frobenius: ||P̄_new - P̄_old|| / ||P̄_old||", file=out)
     rows = []
+    drifts = {}  # the callback's own drift computation, NEW against a snapshot of OLD
     for name in common:
         before, after = old.modules[name], new.modules[name]
-        counts = (after.query_count, before.query_count, args.min_support)
-        js, frobenius = F.attention_drift(after.attention_mass.mean(dim=0), before.attention_mass.mean(dim=0), *counts)
-        rows.append((_display(name), "mean", f"{float(js):#.6g}", f"{float(frobenius):#.6g}"))
+        then = Snapshot.of(before.attention_mass, before.query_count)
+        drift = drifts[name] = drift_between(after.attention_mass, after.query_count, then, args.min_support)
+        rows.append((_display(name), "mean", f"{float(drift.js):#.6g}", f"{float(drift.frobenius):#.6g}"))
         if args.per_head:
-            js_heads, frobenius_heads = F.attention_drift(after.attention_mass, before.attention_mass, *counts)
+            js_heads, frobenius_heads = drift.js_heads, drift.frobenius_heads
             for h, (js_h, frobenius_h) in enumerate(zip(js_heads.tolist(), frobenius_heads.tolist(), strict=True)):
                 rows.append(("", f"head {h}", f"{js_h:#.6g}", f"{frobenius_h:#.6g}"))
     _print_table(("module", "heads", "JS (nats)", "rel. Frobenius"), rows, out, numeric=(2, 3))
@@ -187,7 +189,8 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
     for name in common:
         before, after = old.modules[name], new.modules[name]
         mass_old, mass_new = before.attention_mass.mean(dim=0), after.attention_mass.mean(dim=0)
-        moved = F.moved_tokens(mass_new, mass_old, after.query_count, before.query_count, args.top, args.min_support)
+        counts = (after.query_count, before.query_count, args.top, args.min_support)
+        moved = moved_tokens(mass_new, None, *counts, row_divergence=drifts[name].rows)
         print(file=out)
         print(f"{_display(name)}: query tokens whose attention moved most (JS in nats, NEW vs OLD)", file=out)
         if not moved:

@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from attn_callbacks import hf
 
-__all__ = ["AttentionCapture", "capture_attention", "find_attention_modules", "num_heads"]
+__all__ = ["AttentionCapture", "capture_attention", "find_attention_modules", "module_device", "num_heads"]
 
 WeightsConsumer = Callable[[str, nn.Module, Tensor], None]
 
@@ -105,6 +105,13 @@ def _filter(named: dict[str, nn.Module], found: dict[str, nn.Module], patterns: 
             )
         kept.update((name, found[name]) for name in attention)
     return {name: m for name, m in found.items() if name in kept}  # model order, not pattern order
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of a module's first parameter; the CPU for a module without parameters."""
+    for tensor in module.parameters():
+        return tensor.device
+    return torch.device("cpu")
 
 
 def num_heads(module: nn.Module, name: str = "") -> int:

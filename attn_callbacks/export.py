@@ -33,8 +33,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attn_callbacks import functional as F
-from attn_callbacks.metrics import _SUMS, AttentionStats, stats_from_sums
+from attn_callbacks.accumulate import SUM_FIELDS, AttentionStats
+from attn_callbacks.kernels import POSITION_STATS
+from attn_callbacks.summary import in_degree
+from attn_callbacks.tables import pagerank
 
 __all__ = ["FORMAT_VERSION", "EpochRecord", "export_graph", "load_epoch", "save_epoch"]
 
@@ -151,7 +153,7 @@ def save_epoch(
         query_stream, key_stream = (str(stream) for stream in streams[name])
         saved_streams[name] = [query_stream, key_stream]
         # A copy, not a view: torch.save writes a view's whole storage, and the caller's tensors may live on a GPU.
-        modules[name] = {field: getattr(module_stats, field).detach().to("cpu", copy=True) for field in _SUMS}
+        modules[name] = {field: getattr(module_stats, field).detach().to("cpu", copy=True) for field in SUM_FIELDS}
         _check_sums(name, modules[name], where="argument `stats`")
         _, vocab[query_stream], vocab[key_stream] = modules[name]["attention_sum"].shape
     saved_labels: dict[str, list[str] | None] = {}
@@ -249,7 +251,7 @@ def load_epoch(path: str | os.PathLike) -> EpochRecord:
         if name not in streams:
             raise ValueError(f"{str(path)!r} is not a valid attention epoch export: no streams for module {name!r}")
         _check_sums(name, module_sums, where=repr(str(path)))
-        modules[name] = stats_from_sums(*(module_sums[field] for field in _SUMS))
+        modules[name] = AttentionStats(*(module_sums[field] for field in SUM_FIELDS))
     return EpochRecord(epoch=epoch, global_step=global_step, modules=modules, streams=streams, labels=labels)
 
 
@@ -300,7 +302,7 @@ def _read_npz(path: Path) -> tuple[dict, dict[str, dict[str, Tensor]]]:
     sums: dict[str, dict[str, Tensor]] = {}
     for i, name in enumerate(names):
         sums[str(name)] = {}
-        for field in _SUMS:
+        for field in SUM_FIELDS:
             key = f"{i}.{field}"
             if key in arrays:
                 dtype = _DTYPES.get(str(dtypes.get(key)))
@@ -311,7 +313,7 @@ def _read_npz(path: Path) -> tuple[dict, dict[str, dict[str, Tensor]]]:
 
 def _check_sums(name: str, sums: Mapping[str, Any], where: str) -> None:
     """The shapes :class:`AttentionStats` promises; a corrupt file fails here rather than deep inside a metric."""
-    missing = [field for field in _SUMS if not isinstance(sums.get(field), Tensor)]
+    missing = [field for field in SUM_FIELDS if not isinstance(sums.get(field), Tensor)]
     if missing:
         raise ValueError(f"Module {name!r} in {where} lacks the sums {missing}")
     attention_sum = sums["attention_sum"]
@@ -324,7 +326,7 @@ def _check_sums(name: str, sums: Mapping[str, Any], where: str) -> None:
         "skipped_rows": (),
         "uniform_sum": (vocab_q, vocab_k),
         # per_head=False keeps one (head-mean) attention channel but position statistics for every head
-        "position_sums": (len(F.POSITION_STATS), heads if heads > 1 else sums["position_sums"].shape[-1]),
+        "position_sums": (len(POSITION_STATS), heads if heads > 1 else sums["position_sums"].shape[-1]),
     }
     for field, shape in expected.items():
         if tuple(sums[field].shape) != shape:
@@ -430,7 +432,7 @@ def export_graph(
         mass, graph_sum = mass_heads.mean(dim=0), attention_sum.mean(dim=0)  # P̄ = mean_h P[h], S̄ = mean_h S[h]
     else:
         mass, graph_sum = mass_heads[head], attention_sum[head]
-    degree = F.in_degree(graph_sum, query_count)  # (Vk,)
+    degree = in_degree(graph_sum, query_count)  # (Vk,)
     # One node set for every head choice, so graphs of different heads line up.
     queried = (query_count > 0).tolist()
     received = (attention_sum.sum(dim=(0, 1)) > 0).tolist()
@@ -439,7 +441,7 @@ def export_graph(
 
     graph = nx.DiGraph(head="mean" if head is None else str(head), min_weight=float(min_weight))
     if self_attention:
-        rank = F.pagerank(mass)
+        rank = pagerank(mass)
         for token in range(vocab_q):
             if queried[token] or received[token]:
                 graph.add_node(

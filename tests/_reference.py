@@ -1,8 +1,15 @@
-"""Independent float64 references shared by the test files (plain loops, nothing from the package)."""
+"""Independent references and small helpers shared by the test files."""
 
+import contextlib
 import math
 
+import numpy as np
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from torch import Tensor
+
+from attn_callbacks.blocks import safe_divide
 
 
 def add_loop_sums(S: torch.Tensor, Q: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pad: int) -> None:
@@ -31,3 +38,126 @@ def naive_js(p, q):
     kl_p = sum(x * math.log(x / z) for x, z in zip(p, m, strict=True) if x > 0)
     kl_q = sum(y * math.log(y / z) for y, z in zip(q, m, strict=True) if y > 0)
     return (kl_p + kl_q) / 2
+
+
+# The vectorised reference the fast path is tested against (torch ops, any dtype); the float64 loops above check it.
+def accumulate_attention_reference(
+    attention_sum: Tensor,
+    pair_count: Tensor,
+    query_count: Tensor,
+    weights: Tensor,
+    query_ids: Tensor,
+    key_ids: Tensor,
+    query_valid: Tensor,
+    key_valid: Tensor,
+    *,
+    uniform_sum: Tensor | None = None,
+    position_sums: Tensor | None = None,
+) -> Tensor:
+    """The simple reference path: scatter-add one batch of attention weights into separate running sums, in place.
+
+    :func:`accumulate_attention` computes the same sums faster (tests hold the two equal); this one is kept short and
+    obvious so it can serve as the reference. ``S[h, a, b] += Σ w[n, h, i, j]``, ``C[a, b] += #(i, j)``,
+    ``Q[a] += #i`` over valid query positions ``i`` holding ``a`` and valid key positions ``j`` holding ``b``.
+    A query row that holds a non-finite weight in any head (a fully masked row is NaN), or no positive weight in any
+    head (some attention code zeroes the rows of padded queries), is dropped as a whole and counted instead: it is no
+    occurrence of its token's attention.
+
+    Args:
+        attention_sum: ``(H, Vq, Vk)`` floating accumulator, updated in place.
+        pair_count: ``(Vq, Vk)`` accumulator, updated in place.
+        query_count: ``(Vq,)`` accumulator, updated in place.
+        weights: ``(B, H, Lq, Lk)`` per-head attention weights, rows over keys.
+        query_ids: ``(B, Lq)`` integer token ids of the query positions.
+        key_ids: ``(B, Lk)`` integer token ids of the key positions.
+        query_valid: ``(B, Lq)`` bool, False for query positions to ignore (padding). Ids there may be anything.
+        key_valid: ``(B, Lk)`` bool, False for key positions to ignore.
+        uniform_sum: optional ``(Vq, Vk)`` floating accumulator of the uniform baseline
+            ``U[a, b] += Σ 1 / #visible(i)`` over valid query positions ``i`` holding ``a`` and visible keys ``j``
+            holding ``b``. A key is *visible* to a query when it is valid and at least one head gives it a non-zero
+            weight: masked keys (padding, causal, any ``attn_mask``) get exactly 0 from the softmax.
+        position_sums: optional ``(len(POSITION_STATS), H)`` floating accumulator of the position-level sums listed
+            in :data:`POSITION_STATS`.
+
+    Returns:
+        A 0-dim int64 tensor on the weights' device: the number of valid query rows dropped for non-finite or
+        all-zero weights.
+
+    Example:
+        >>> S, C, Q = torch.zeros(1, 3, 3), torch.zeros(3, 3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+        >>> w = torch.tensor([[[[0.25, 0.75], [1.0, 0.0]]]])  # (B=1, H=1, Lq=2, Lk=2)
+        >>> ids, valid = torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bool)
+        >>> int(accumulate_attention_reference(S, C, Q, w, ids, ids, valid, valid))
+        0
+        >>> S[0].tolist()
+        [[0.0, 0.0, 0.0], [0.0, 0.25, 0.75], [0.0, 1.0, 0.0]]
+    """
+    num_heads, vocab_q, vocab_k = attention_sum.shape
+    finite = torch.isfinite(weights).all(dim=-1).all(dim=1)  # (B, Lq): finite in every head
+    weighted = (weights.to(attention_sum.dtype) > 0).any(dim=-1).any(dim=1)  # (B, Lq): some weight, as stored
+    usable = finite & weighted
+    rows = query_valid & usable
+    skipped = (query_valid & ~usable).sum()
+
+    pair_valid = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
+    # Ids at ignored positions may be out of range (pad = -100, say): point them at 0, their weight is zeroed anyway.
+    q = torch.where(rows, query_ids, 0)
+    k = torch.where(key_valid, key_ids, 0)
+    flat_pair = (q[:, :, None] * vocab_k + k[:, None, :]).reshape(-1)  # (B*Lq*Lk,) index into a (Vq*Vk) plane
+
+    # torch.where (not multiply) so a NaN in a dropped row cannot leak in as NaN * 0.
+    masked = torch.where(pair_valid[:, None], weights, 0).to(attention_sum.dtype)  # (B, H, Lq, Lk)
+    per_head = masked.transpose(0, 1).reshape(num_heads, -1)  # (H, B*Lq*Lk), same order as flat_pair
+    attention_sum.view(num_heads, vocab_q * vocab_k).index_add_(1, flat_pair, per_head)
+    pair_count.view(-1).index_add_(0, flat_pair, pair_valid.reshape(-1).to(pair_count.dtype))
+    query_count.index_add_(0, q.reshape(-1), rows.reshape(-1).to(query_count.dtype))
+    if uniform_sum is None and position_sums is None:
+        return skipped
+
+    visible = pair_valid & (masked > 0).any(dim=1)  # (B, Lq, Lk)
+    num_visible = visible.sum(dim=-1, keepdim=True)  # (B, Lq, 1)
+    if uniform_sum is not None:
+        uniform = visible.to(uniform_sum.dtype) / num_visible.clamp(min=1)  # (B, Lq, Lk): 1 / #visible
+        uniform_sum.view(-1).index_add_(0, flat_pair, uniform.reshape(-1).to(uniform_sum.dtype))
+    if position_sums is not None:
+        len_q, len_k = weights.shape[-2:]
+        positions_q = torch.arange(len_q, device=weights.device)
+        distance = (positions_q[:, None] - torch.arange(len_k, device=weights.device)[None, :]).abs()  # (Lq, Lk)
+        max_entropy = torch.log(num_visible.clamp(min=1).to(masked.dtype)).sum()  # dropped rows have 0 visible
+        # Entropy of the row renormalised over the valid keys, so H <= log #visible even when ignored keys got weight.
+        renormalised = safe_divide(masked, masked.sum(dim=-1, keepdim=True))  # (B, H, Lq, Lk)
+        row_entropy = -torch.special.xlogy(renormalised, renormalised).sum(dim=-1)  # (B, H, Lq)
+        position_sums += torch.stack(
+            [
+                row_entropy.sum(dim=(0, 2)),
+                max_entropy.expand(num_heads),
+                masked.diagonal(0, -2, -1).sum(dim=(0, 2)),  # w[i, i]
+                masked.diagonal(-1, -2, -1).sum(dim=(0, 2)),  # w[i, i - 1]
+                masked.diagonal(1, -2, -1).sum(dim=(0, 2)),  # w[i, i + 1]
+                (masked * distance).sum(dim=(0, 2, 3)),
+            ]
+        ).to(position_sums.dtype)
+    return skipped
+
+
+def figure_to_array(figure: Figure) -> np.ndarray:
+    """Render a figure to an ``(H, W, 3)`` uint8 RGB array."""
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+@contextlib.contextmanager
+def spying(obj, method, spy):
+    """Within the block, every ``obj.method(*args, **kwargs)`` first calls ``spy(*args, **kwargs)``."""
+    original = getattr(obj, method)
+
+    def wrapper(*args, **kwargs):
+        spy(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(obj, method, wrapper)
+    try:
+        yield
+    finally:
+        delattr(obj, method)

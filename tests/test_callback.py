@@ -10,7 +10,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import pytest
 import torch
-from _reference import add_loop_sums, naive_js
+from _reference import accumulate_attention_reference, add_loop_sums, naive_js, spying
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, load_epoch
-from attn_callbacks.functional import accumulate_attention_reference, attention_mass
-from attn_callbacks.metrics import _SUMS, stats_from_sums
-from attn_callbacks.tokens import most_frequent_ids
+from attn_callbacks.accumulate import SUM_FIELDS, AttentionStats
+from attn_callbacks.functional import attention_mass
+from attn_callbacks.streams import most_frequent_ids
 
 VOCAB, PAD, LENGTH = 12, 0, 6
 
@@ -148,11 +148,15 @@ def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_pat
 class Recorder(AttentionMonitor):
     """Keeps the computed stats of the last epoch to compare against an independent reference."""
 
-    def _log_module(self, pl_module, name, stats, writer, step, drift):
+    def on_validation_epoch_end(self, trainer, pl_module):
         self.last = getattr(self, "last", {})
-        # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
-        self.last[name] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))
-        return super()._log_module(pl_module, name, stats, writer, step, drift)
+
+        def keep(pl_module, writer, name, streams, stats, **kwargs):
+            # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
+            self.last[name] = AttentionStats(*(getattr(stats, field).clone() for field in SUM_FIELDS))
+
+        with spying(self._report, "module", keep):
+            super().on_validation_epoch_end(trainer, pl_module)
 
 
 def test_callback_sums_equal_reference_from_manually_captured_weights(tmp_path):
@@ -201,7 +205,7 @@ def test_callback_exception_in_validation_leaves_no_hooks_and_restores_fastpath(
     with pytest.raises(RuntimeError, match="validation failed"):
         trainer(tmp_path, [monitor], num_sanity_val_steps=0).fit(model, train, val)
     assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
-    assert all(int(m.query_count.sum()) == 0 for m in monitor._metrics.values())
+    assert all(int(m.query_count.sum()) == 0 for m in monitor._sums.metrics.values())
 
 
 def test_callback_without_tensorboard_logs_scalars_and_warns_once(tmp_path):
@@ -511,9 +515,9 @@ def test_callback_bad_arguments_raise_naming_the_argument(kwargs, match):
 def test_callback_accepts_numpy_and_path_like_arguments():
     labels = np.array([f"tok{i}" for i in range(VOCAB)])
     monitor = AttentionMonitor(VOCAB, "input_ids", id_to_token=labels, per_head=np.bool_(False))
-    assert monitor.per_head is False and monitor._label([3], "tokens") == ["tok3"]
+    assert monitor.per_head is False and monitor._streams.label([3], "tokens") == ["tok3"]
     monitor = AttentionMonitor(VOCAB, "input_ids", id_to_token={np.int64(3): "three"}, export_dir=PurePosixPath("x"))
-    assert monitor._label([3, 4], "tokens") == ["three", "4"]
+    assert monitor._streams.label([3, 4], "tokens") == ["three", "4"]
 
 
 def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
@@ -685,10 +689,14 @@ def test_callback_rejects_bad_insight_arguments():
 class ProbeRecorder(AttentionMonitor):
     """Keeps the probe weights each epoch renders."""
 
-    def _probe_images(self, images, name, layer):
+    def on_validation_epoch_end(self, trainer, pl_module):
         self.probes = getattr(self, "probes", [])
-        self.probes.append((name, self._probe_weights.get(name)))
-        super()._probe_images(images, name, layer)
+
+        def keep(name, *args):
+            self.probes.append((name, self._probe.weights.get(name)))
+
+        with spying(self._report, "_probe_maps", keep):
+            super().on_validation_epoch_end(trainer, pl_module)
 
 
 def test_callback_probe_first_batch_is_frozen_and_equals_the_models_attention(tmp_path):
@@ -703,7 +711,7 @@ def test_callback_probe_first_batch_is_frozen_and_equals_the_models_attention(tm
     for sample in range(2):
         assert len(events.Images(f"attention_probe/encoder.layers.1.self_attn/sample_{sample}")) == 2
     frozen = make_batches(seed=1)[0]["input_ids"][:2]
-    assert torch.equal(monitor._probe_ids["tokens"], frozen)
+    assert torch.equal(monitor._probe.ids["tokens"], frozen)
     with torch.no_grad(), capture_attention(model.eval(), ["encoder.layers.1.self_attn"]) as weights:
         model(frozen)
     name, last = monitor.probes[-1]
@@ -794,7 +802,7 @@ def test_callback_keyboard_interrupt_in_validation_leaves_no_hooks_and_no_sums(t
     finally:
         signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl+C from then on
     assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
-    assert monitor._metrics and all(int(m.query_count.sum()) == 0 for m in monitor._metrics.values())
+    assert monitor._sums.metrics and all(int(m.query_count.sum()) == 0 for m in monitor._sums.metrics.values())
 
 
 @pytest.mark.parametrize(
@@ -835,10 +843,14 @@ def test_callback_empty_validation_set_and_all_padding_epoch_log_nothing(tmp_pat
 
 
 class LoaderRecorder(AttentionMonitor):
-    def _log_module(self, pl_module, name, stats, writer, step, drift, suffix=""):
+    def on_validation_epoch_end(self, trainer, pl_module):
         self.views = getattr(self, "views", {})
-        self.views[(name, suffix)] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))  # a copy
-        return super()._log_module(pl_module, name, stats, writer, step, drift, suffix)
+
+        def keep(pl_module, writer, name, streams, stats, suffix="", **kwargs):
+            self.views[(name, suffix)] = AttentionStats(*(getattr(stats, field).clone() for field in SUM_FIELDS))
+
+        with spying(self._report, "module", keep):
+            super().on_validation_epoch_end(trainer, pl_module)
 
 
 def test_callback_multiple_validation_dataloaders_kept_apart_and_combined(tmp_path):
@@ -891,8 +903,8 @@ def test_callback_memory_stays_flat_across_batches_and_epochs(tmp_path):
     )
     # Drift memory fills up over the first two epochs (reference, then a distinct previous); then nothing grows.
     assert len(monitor.counts) == 5 and len(set(monitor.counts[2:])) == 1, monitor.counts
-    assert len(monitor._metrics) == 2 and all(
-        m.sums.device.type == "cpu" and m.sums.shape == (3, VOCAB * VOCAB + 1) for m in monitor._metrics.values()
+    assert len(monitor._sums.metrics) == 2 and all(
+        m.sums.device.type == "cpu" and m.sums.shape == (3, VOCAB * VOCAB + 1) for m in monitor._sums.metrics.values()
     )
 
 
@@ -900,8 +912,10 @@ def test_callback_options_that_ddp_spawn_cannot_pickle_raise_naming_the_argument
     monitor = AttentionMonitor(VOCAB, token_ids=lambda batch: batch["input_ids"])
     with pytest.raises(TypeError, match="argument `token_ids` cannot be pickled.*ddp_spawn"):
         pickle.dumps(monitor)
-    assert copy.deepcopy(monitor)._getters.keys() == monitor._getters.keys()  # deep copies need no pickling
-    assert pickle.loads(pickle.dumps(AttentionMonitor(VOCAB, "input_ids")))._vocab == {"tokens": VOCAB}
+    assert (
+        copy.deepcopy(monitor)._streams.getters.keys() == monitor._streams.getters.keys()
+    )  # deep copies need no pickling
+    assert pickle.loads(pickle.dumps(AttentionMonitor(VOCAB, "input_ids")))._streams.vocab == {"tokens": VOCAB}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -935,7 +949,7 @@ def test_callback_tracked_vocabulary_equals_dense_on_the_tracked_block_and_other
     counts = torch.bincount(ids[ids != PAD], minlength=VOCAB).tolist()
     frequent = sorted((i for i in range(VOCAB) if i not in (PAD, 1) and counts[i]), key=lambda i: (-counts[i], i))
     expected = [1, *frequent[:3]]
-    assert tracked._tracked["tokens"].tolist() == expected
+    assert tracked._streams.tracked["tokens"].tolist() == expected
     F_ = fold(expected, VOCAB)
     for name in ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn"):
         d, t, m = dense.last[name], tracked.last[name], mean_only.last[name]
@@ -952,7 +966,7 @@ def test_callback_tracked_vocabulary_equals_dense_on_the_tracked_block_and_other
         seen = t.query_count > 0
         torch.testing.assert_close(t.attention_mass[:, seen].sum(-1), torch.ones(2, int(seen.sum())))
         torch.testing.assert_close(t.position_sums, d.position_sums)  # positions do not depend on the vocabulary
-    labels = tracked._label(range(5), "tokens")
+    labels = tracked._streams.label(range(5), "tokens")
     assert labels == [str(i) for i in expected] + ["<other>"]
 
 
@@ -963,17 +977,17 @@ def test_callback_heatmaps_and_tables_show_tokens_not_the_other_bucket(tmp_path)
         VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=3, top_k=VOCAB, num_pairs=50, min_support=1
     )
     drawn = []
-    heatmap = monitor._figures.heatmap
+    heatmap = monitor._report.images.figures.heatmap
 
     def record(tag, matrix, row_labels, col_labels, *args, **kwargs):
         drawn.append((tag, list(row_labels), list(col_labels)))
         return heatmap(tag, matrix, row_labels, col_labels, *args, **kwargs)
 
-    monitor._figures.heatmap = record
+    monitor._report.images.figures.heatmap = record
     train, val = loaders()
     t = trainer(tmp_path, [monitor], num_sanity_val_steps=0)
     t.fit(TinyEncoder(), train, val)
-    tracked = [str(i) for i in monitor._tracked["tokens"].tolist()]
+    tracked = [str(i) for i in monitor._streams.tracked["tokens"].tolist()]
     assert drawn and all(rows == cols == tracked for _, rows, cols in drawn)  # every token shown, no <other>
     events = EventAccumulator(t.logger.log_dir, size_guidance={TENSORS: 0})
     events.Reload()
@@ -992,19 +1006,19 @@ def test_callback_tracked_ids_are_frozen_across_epochs_and_carried_by_the_checkp
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=3)
     model = TinyEncoder()
     run_validate(tmp_path / "a", monitor, batches, model)
-    first = monitor._tracked["tokens"].clone()
+    first = monitor._streams.tracked["tokens"].clone()
     # the same run sees other data next time: the tracked ids stay, the data is not counted again
     flipped = [{"input_ids": torch.where(b["input_ids"] == PAD, PAD, VOCAB - b["input_ids"])} for b in batches]
     ids = torch.cat([b["input_ids"] for b in flipped]).flatten()
     assert most_frequent_ids(torch.bincount(ids[ids != PAD], minlength=VOCAB), 3).tolist() != first.tolist()
     run_validate(tmp_path / "b", monitor, flipped, model)
-    assert torch.equal(monitor._tracked["tokens"], first)
-    assert all(m.query_vocab_size == 4 for m in monitor._metrics.values())
+    assert torch.equal(monitor._streams.tracked["tokens"], first)
+    assert all(m.query_vocab_size == 4 for m in monitor._sums.metrics.values())
     # a resumed run gets them from the state dict
     resumed = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=3)
     state = torch.load(io.BytesIO(_saved(monitor.state_dict())), weights_only=True)
     resumed.load_state_dict(state)
-    assert torch.equal(resumed._tracked["tokens"], first)
+    assert torch.equal(resumed._streams.tracked["tokens"], first)
 
 
 def _saved(state):
@@ -1020,14 +1034,14 @@ def test_callback_memory_budget_refuses_before_any_allocation_with_the_figure_an
         run_validate(tmp_path, monitor, make_batches())
     for knob in ("max_tracked_tokens", "per_head=False", "`modules`"):
         assert knob in str(info.value)
-    assert monitor._metrics == {}
+    assert monitor._sums.metrics == {}
     # per module: (H + 1) · (V² + 1) · 4 + (V² + 1) · 8 + (V + 1) · 8 + 8 + 6 · H · 4 bytes; 2 modules
     small = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], memory_budget="1KiB")
     per_module = 3 * 145 * 4 + 145 * 8 + 13 * 8 + 8 + 6 * 2 * 4
     model = TinyEncoder()
     with pytest.raises(MisconfigurationException, match=f"would hold {2 * per_module / 1024:.1f} KiB"):
         trainer(tmp_path, [small], max_epochs=1).fit(model, *loaders())
-    assert model.global_step == 0 and small._metrics == {}  # refused at setup, before training
+    assert model.global_step == 0 and small._sums.metrics == {}  # refused at setup, before training
     assert AttentionMonitor(VOCAB, "input_ids", memory_budget=None).memory_budget is None
 
 
@@ -1050,7 +1064,7 @@ def test_callback_bert_sized_vocabulary_runs_end_to_end_within_the_default_budge
     logger = TensorBoardLogger(tmp_path, name="bert")
     t = trainer(tmp_path, [monitor], logger=logger, max_epochs=2, num_sanity_val_steps=0, limit_train_batches=1)
     t.fit(Bert(), DataLoader(batches, batch_size=None), DataLoader(batches, batch_size=None))
-    assert sum(monitor._state_bytes(1).values()) < 2**30
+    assert sum(monitor._sums.state_bytes(monitor._shapes(), 1).values()) < 2**30
     stats = monitor.last["encoder.layers.1.self_attn"]
     assert stats.attention_sum.shape == (2, 2049, 2049)
     assert (
@@ -1106,7 +1120,7 @@ def test_callback_shared_colour_scale_is_the_largest_value_drawn_so_far_and_chec
 def test_callback_images_are_the_events_add_image_writes_and_other_writers_get_add_image(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    from attn_callbacks.callback import _add_image
+    from attn_callbacks.writer import add_image as _add_image
 
     image = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
     rgba = np.concatenate([image, np.full((37, 53, 1), 255, dtype=np.uint8)], axis=-1)  # what the canvas holds
@@ -1149,10 +1163,10 @@ def test_callback_images_are_the_events_add_image_writes_and_other_writers_get_a
 def test_callback_images_are_written_by_a_worker_thread_and_its_errors_reach_the_caller(tmp_path, monkeypatch):
     import threading
 
-    import attn_callbacks.callback as callback_module
+    import attn_callbacks.writer as callback_module
 
     written_by = []
-    original = callback_module._add_image
+    original = callback_module.add_image
 
     def spy(*args):
         written_by.append(threading.current_thread().name)
@@ -1161,7 +1175,7 @@ def test_callback_images_are_written_by_a_worker_thread_and_its_errors_reach_the
     def workers():
         return [t for t in threading.enumerate() if t.name.startswith("attn_callbacks-images")]
 
-    monkeypatch.setattr(callback_module, "_add_image", spy)
+    monkeypatch.setattr(callback_module, "add_image", spy)
     model = TinyEncoder()
     logger = TensorBoardLogger(tmp_path, name="tb")
     trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids")], logger=logger).validate(model, loaders()[1])
@@ -1175,7 +1189,7 @@ def test_callback_images_are_written_by_a_worker_thread_and_its_errors_reach_the
     def broken(*args):
         raise RuntimeError("writing failed")
 
-    monkeypatch.setattr(callback_module, "_add_image", broken)
+    monkeypatch.setattr(callback_module, "add_image", broken)
     with pytest.raises(RuntimeError, match="writing failed"):
         trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids")]).validate(model, loaders()[1])
     assert no_hooks(model) and workers() == []
@@ -1185,7 +1199,7 @@ def test_callback_interrupted_wait_for_the_writer_thread_stops_it_and_drops_what
     import threading
     import time
 
-    import attn_callbacks.callback as callback_module
+    import attn_callbacks.writer as callback_module
 
     monitor = AttentionMonitor(VOCAB, "input_ids")
     started, done = threading.Event(), []
@@ -1195,18 +1209,18 @@ def test_callback_interrupted_wait_for_the_writer_thread_stops_it_and_drops_what
         time.sleep(seconds)
         done.append(name)
 
-    # Drawing may outrun encoding: at most _MAX_PENDING pictures wait, the oldest are waited for.
-    for k in range(3 * callback_module._MAX_PENDING):
-        monitor._paint(lambda k=k: slow(k, 0.01))
-        assert sum(not job.done() for job in monitor._painted) <= callback_module._MAX_PENDING
-    monitor._finish_painting()
-    assert done == list(range(3 * callback_module._MAX_PENDING))
+    # Drawing may outrun encoding: at most MAX_PENDING pictures wait, the oldest are waited for.
+    for k in range(3 * callback_module.MAX_PENDING):
+        monitor._report.painter.submit(lambda k=k: slow(k, 0.01))
+        assert sum(not job.done() for job in monitor._report.painter._jobs) <= callback_module.MAX_PENDING
+    monitor._report.painter.finish()
+    assert done == list(range(3 * callback_module.MAX_PENDING))
     started.clear()
     done.clear()
 
-    monitor._paint(lambda: slow("first"))
+    monitor._report.painter.submit(lambda: slow("first"))
     for name in ("second", "third"):
-        monitor._paint(lambda name=name: slow(name))
+        monitor._report.painter.submit(lambda name=name: slow(name))
     assert started.wait(5)
     real_shutdown = callback_module.ThreadPoolExecutor.shutdown
     calls = []
@@ -1219,11 +1233,11 @@ def test_callback_interrupted_wait_for_the_writer_thread_stops_it_and_drops_what
 
     monkeypatch.setattr(callback_module.ThreadPoolExecutor, "shutdown", interrupted_once)
     with pytest.raises(KeyboardInterrupt):
-        monitor._finish_painting()
+        monitor._report.painter.finish()
     # The job in progress finished, the queued ones were dropped, and no worker is left.
     assert calls == [False, True] and done == ["first"]
     assert not [t for t in threading.enumerate() if t.name.startswith("attn_callbacks-images")]
-    assert monitor._painter is None and monitor._painted == []
+    assert monitor._report.painter._pool is None and monitor._report.painter._jobs == []
     pickle.dumps(monitor)  # nothing of the thread is carried
     copy.deepcopy(monitor)
 
@@ -1234,12 +1248,12 @@ def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_p
         def on_validation_epoch_end(self, trainer, pl_module):
             super().on_validation_epoch_end(trainer, pl_module)
             if trainer.sanity_checking:  # monitored, but never a drift epoch: no snapshot, no spare used
-                assert not self._previous and not self._spare
+                assert not self._drift.previous and not self._drift._spare
                 return
             self.seen = getattr(self, "seen", [])
-            mass = self._previous["encoder.layers.0.self_attn"]["attention_mass"]
+            mass = self._drift.previous["encoder.layers.0.self_attn"]["attention_mass"]
             self.seen.append((mass.data_ptr(), mass.clone()))
-            reference = self._reference["encoder.layers.0.self_attn"]["attention_mass"]
+            reference = self._drift.reference["encoder.layers.0.self_attn"]["attention_mass"]
             assert torch.equal(reference, self.seen[0][1])  # the reference epoch's P is never overwritten
             if trainer.current_epoch == 2:
                 self.held = self.state_dict()  # a state dict kept by someone: its tensors must stay as they are
@@ -1258,7 +1272,7 @@ def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_p
         assert torch.equal(memory["attention_mass"], monitor.held_copy["previous"][name]["attention_mass"]), name
     # Each epoch's P, as the next epoch's drift read it, is what that epoch computed: the final previous snapshot
     # equals a fresh S / Q of the last epoch's sums.
-    last = monitor._previous["encoder.layers.0.self_attn"]["attention_mass"]
+    last = monitor._drift.previous["encoder.layers.0.self_attn"]["attention_mass"]
     assert torch.equal(last, monitor.seen[-1][1])
 
 
@@ -1268,7 +1282,7 @@ def test_callback_drift_table_lists_the_most_moved_tokens_with_their_loop_js_aga
     class Snapshots(AttentionMonitor):
         def on_validation_epoch_end(self, trainer, pl_module):
             super().on_validation_epoch_end(trainer, pl_module)
-            memory = self._previous[layer]
+            memory = self._drift.previous[layer]
             self.kept = [*getattr(self, "kept", []), (memory["attention_mass"].double().mean(0), memory["query_count"])]
 
     monitor = Snapshots(VOCAB, "input_ids", ignore_ids=[PAD], min_support=2, num_pairs=4)

@@ -10,7 +10,7 @@ import yaml
 pytest.importorskip("jsonargparse")  # LightningCLI needs the [cli] extra (part of [test])
 
 from attn_callbacks import AttentionMonitor
-from attn_callbacks.tokens import parse_bytes
+from attn_callbacks.config import parse_bytes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = EXAMPLES / "attention_monitor.yaml"
@@ -80,9 +80,9 @@ def write_config(path: Path, **init_args) -> Path:
 def resolved(monitor: AttentionMonitor) -> dict:
     """What the constructor made of its arguments, for comparing two monitors."""
     state = {k: v for k, v in vars(monitor).items() if not k.startswith("_")}
-    for name in ("_getters", "_vocab", "_labels", "_sinks", "_track_limit"):
-        state[name] = getattr(monitor, name)
-    state["_tracked"] = {stream: ids.tolist() for stream, ids in monitor._tracked.items()}
+    for name in ("getters", "vocab", "labels", "sinks", "track_limit"):
+        state[name] = getattr(monitor._streams, name)
+    state["tracked"] = {stream: ids.tolist() for stream, ids in monitor._streams.tracked.items()}
     return state
 
 
@@ -91,12 +91,12 @@ def test_example_config_builds_the_monitor_it_describes():
     cli = build(CONFIG)
     monitor = monitor_of(cli)
 
-    assert monitor._getters == given["token_ids"]
-    assert monitor._vocab == given["vocab_size"]
-    assert monitor._labels == given["id_to_token"]
+    assert monitor._streams.getters == given["token_ids"]
+    assert monitor._streams.vocab == given["vocab_size"]
+    assert monitor._streams.labels == given["id_to_token"]
     assert monitor.attention_streams == {pattern: tuple(pair) for pattern, pair in given["attention_streams"].items()}
-    assert monitor._sinks == {stream: given["sink_ids"].get(stream, []) for stream in given["token_ids"]}
-    assert monitor._track_limit == {} and given["max_tracked_tokens"] is None
+    assert monitor._streams.sinks == {stream: given["sink_ids"].get(stream, []) for stream in given["token_ids"]}
+    assert monitor._streams.track_limit == {} and given["max_tracked_tokens"] is None
     assert monitor.memory_budget == parse_bytes("memory_budget", given["memory_budget"]) == 2**30
     special = {"token_ids", "vocab_size", "id_to_token", "attention_streams", "sink_ids", "max_tracked_tokens"}
     special.add("memory_budget")
@@ -129,11 +129,11 @@ def test_dict_and_callable_arguments_round_trip_through_a_saved_config(tmp_path)
     )
     cli = build(config)
     monitor = monitor_of(cli)
-    assert monitor._getters == {"src": "src", "tgt_in": BatchKey("tgt_in")}
-    assert monitor._labels == {"src": source_word, "tgt_in": {0: "<pad>", 1: "<bos>"}}
+    assert monitor._streams.getters == {"src": "src", "tgt_in": BatchKey("tgt_in")}
+    assert monitor._streams.labels == {"src": source_word, "tgt_in": {0: "<pad>", 1: "<bos>"}}
     assert monitor.attention_streams == {"transformer.encoder.*": ("src", "src"), "*decoder*": ("tgt_in", "tgt_in")}
-    assert monitor._track_limit == {"src": 8}
-    assert monitor._tracked["tgt_in"].tolist() == [1, 3, 4]  # sink ids first
+    assert monitor._streams.track_limit == {"src": 8}
+    assert monitor._streams.tracked["tgt_in"].tolist() == [1, 3, 4]  # sink ids first
     assert monitor.memory_budget == 250_000_000
 
     # Dumped as SaveConfigCallback does, then read back: the same monitor.
@@ -154,7 +154,7 @@ def test_token_ids_keys_stay_batch_keys(tmp_path, key):
     config = write_config(
         tmp_path / "key.yaml", token_ids=key, vocab_size=21, id_to_token=None, attention_streams=None, sink_ids=[]
     )
-    getter = monitor_of(build(config))._getters["tokens"]
+    getter = monitor_of(build(config))._streams.getters["tokens"]
     assert getter == key and type(getter) is type(key)
 
 

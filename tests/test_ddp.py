@@ -17,6 +17,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from _reference import spying
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -25,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, load_epoch
-from attn_callbacks.metrics import _SUMS, stats_from_sums
+from attn_callbacks.accumulate import SUM_FIELDS, AttentionStats
 
 VOCAB, PAD, MUTE, LENGTH, DIM = 10, 0, 1, 6, 8  # MUTE: never a key for the model's `mix` attention
 EPOCHS, WORLD, VAL_BATCH, TRAIN_BATCH = 2, 2, 2, 2  # TRAIN_BATCH per rank; the single process takes WORLD times more
@@ -106,17 +107,17 @@ class Checked(AttentionMonitor):
         )
         self.out, self.reference = str(out), None if reference is None else str(reference)
 
-    def _log_module(self, pl_module, name, stats, *args, **kwargs):
-        # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
-        self.seen[name] = stats_from_sums(*(getattr(stats, field).clone() for field in _SUMS))
-        return super()._log_module(pl_module, name, stats, *args, **kwargs)
-
     def on_validation_epoch_start(self, trainer, pl_module):
         self.seen = {}
         super().on_validation_epoch_start(trainer, pl_module)
 
     def on_validation_epoch_end(self, trainer, pl_module):
-        super().on_validation_epoch_end(trainer, pl_module)
+        def keep(pl_module, writer, name, streams, stats, **kwargs):
+            # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
+            self.seen[name] = AttentionStats(*(getattr(stats, field).clone() for field in SUM_FIELDS))
+
+        with spying(self._report, "module", keep):
+            super().on_validation_epoch_end(trainer, pl_module)
         epoch, rank = trainer.current_epoch, trainer.global_rank
         stats = {name: {field: getattr(s, field).detach().cpu() for field in FIELDS} for name, s in self.seen.items()}
         assert sorted(stats) == sorted(LAYERS), sorted(stats)

@@ -12,8 +12,8 @@ import torch
 from attn_callbacks import EpochRecord, export_graph, load_epoch, save_epoch
 from attn_callbacks import functional as F
 from attn_callbacks.__main__ import main
+from attn_callbacks.accumulate import SUM_FIELDS, AttentionAccumulator, AttentionStats
 from attn_callbacks.export import FORMAT_VERSION
-from attn_callbacks.metrics import _SUMS, AttentionAccumulator, AttentionStats, stats_from_sums
 
 HEADS, BATCH, LENGTH = 2, 3, 5
 LABELS = ["<s>", "the", "cat", "sat", "on\nthe mat", "."]
@@ -66,7 +66,7 @@ def save_two_modules(path, seed, epoch=3, global_step=120):
 
 
 def assert_stats_equal(got: AttentionStats, expected: AttentionStats):
-    for field in (*_SUMS, "attention_mass", "mean_weight"):
+    for field in (*SUM_FIELDS, "attention_mass", "mean_weight"):
         a, b = getattr(got, field), getattr(expected, field)
         assert a.dtype == b.dtype and a.device.type == "cpu", field
         assert torch.equal(a, b), field
@@ -129,8 +129,8 @@ def test_save_epoch_npz_loads_without_pickle(tmp_path):
 
 def test_save_epoch_keeps_dtypes_numpy_lacks(tmp_path):
     stats = accumulate(0)
-    raw = (getattr(stats, field) for field in _SUMS)
-    low = stats_from_sums(*(t.to(torch.bfloat16) if t.is_floating_point() else t for t in raw))
+    raw = (getattr(stats, field) for field in SUM_FIELDS)
+    low = AttentionStats(*(t.to(torch.bfloat16) if t.is_floating_point() else t for t in raw))
     save_epoch(tmp_path / "e.npz", {"m": low}, streams={"m": ("x", "x")}, labels={}, epoch=0, global_step=0)
     record = load_epoch(tmp_path / "e.npz")
     assert record.labels == {"x": None}
@@ -331,7 +331,7 @@ def test_main_compare_into_a_closed_pipe_stops_quietly(tmp_path):
     for name, epoch in (("old.pt", 0), ("new.pt", 1)):
         sums = torch.rand(1, 3000, 2, generator=g)
         count = torch.full((3000,), 10)
-        stats = stats_from_sums(
+        stats = AttentionStats(
             sums, count[:, None].expand(3000, 2).clone(), count, torch.tensor(0), sums[0].clone(), torch.zeros(6, 1)
         )
         save_epoch(

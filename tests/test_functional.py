@@ -2,9 +2,12 @@ import math
 
 import pytest
 import torch
-from _reference import naive_js
+from _reference import accumulate_attention_reference, naive_js
 
+from attn_callbacks import blocks
 from attn_callbacks import functional as F
+from attn_callbacks.blocks import row_blocks, square_tiles
+from attn_callbacks.kernels import weights_plogp
 
 
 def naive_accumulate(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
@@ -51,7 +54,7 @@ def run(weights, query_ids, key_ids, qv, kv, vq, vk):
     S = torch.zeros(h, vq, vk)
     C = torch.zeros(vq, vk, dtype=torch.long)
     Q = torch.zeros(vq, dtype=torch.long)
-    skipped = F.accumulate_attention_reference(S, C, Q, weights, query_ids, key_ids, qv, kv)
+    skipped = accumulate_attention_reference(S, C, Q, weights, query_ids, key_ids, qv, kv)
     return S, C, Q, int(skipped)
 
 
@@ -192,7 +195,7 @@ def run_full(weights, query_ids, key_ids, qv, kv, vq, vk):
     Q = torch.zeros(vq, dtype=torch.long)
     U = torch.zeros(vq, vk, dtype=torch.float64)
     P = torch.zeros(len(F.POSITION_STATS), h, dtype=torch.float64)
-    skipped = F.accumulate_attention_reference(
+    skipped = accumulate_attention_reference(
         S, C, Q, weights, query_ids, key_ids, qv, kv, uniform_sum=U, position_sums=P
     )
     return S, C, Q, U, P, int(skipped)
@@ -305,7 +308,7 @@ def test_accumulate_attention_new_accumulators_add_up_over_calls():
     U = torch.zeros(4, 4, dtype=torch.float64)
     P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
     for _ in range(2):
-        F.accumulate_attention_reference(S, C, Q, *case, uniform_sum=U, position_sums=P)
+        accumulate_attention_reference(S, C, Q, *case, uniform_sum=U, position_sums=P)
     torch.testing.assert_close(U, 2 * U1)
     torch.testing.assert_close(P, 2 * P1)
 
@@ -789,7 +792,7 @@ def test_row_plogp_one_pass_and_exact_paths_match_float64_loop(exact):
     w[1] *= 1e-3  # small mass: redone exactly on the one-pass path
     w[2] = torch.tensor([1e-40, 3e-41, 0.0, 0.0, 2e-42, 0.0])  # subnormal mass
     w[3] = 0.0  # nothing visible: 0
-    got = F._row_plogp(w, w.sum(dim=-1), exact=exact)
+    got = weights_plogp(w, w.sum(dim=-1), exact=exact)
     expected = []
     for row in w.double().tolist():
         total = sum(row)
@@ -820,9 +823,9 @@ def test_epoch_statistics_by_row_blocks_equal_the_whole_matrix_computation(monke
         }
 
     whole = statistics()
-    monkeypatch.setattr(F, "_ROW_BLOCK_BYTES", 3 * 11 * 4 * 2)  # two rows (of all heads) per block
-    assert len(F._row_blocks(P)) == 6
-    assert len(F._square_tiles(P)) == 10  # tiles of 3 x 3 cells (and ragged edges) on or above the diagonal
+    monkeypatch.setattr(blocks, "ROW_BLOCK_BYTES", 3 * 11 * 4 * 2)  # two rows (of all heads) per block
+    assert len(row_blocks(P)) == 6
+    assert len(square_tiles(P)) == 10  # tiles of 3 x 3 cells (and ragged edges) on or above the diagonal
     blocked = statistics()
     for name, value in whole.items():
         torch.testing.assert_close(blocked[name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -18,11 +18,12 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from _reference import naive_js
+from _reference import accumulate_attention_reference, naive_js
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from attn_callbacks import functional as F
+from attn_callbacks import kernels
 
 LOG2 = math.log(2)
 NUM_STATS = len(F.POSITION_STATS)
@@ -193,7 +194,7 @@ def new_state(heads, vocab_q, vocab_k, dtype=torch.float32):
 def accumulate(state, batch: Batch, path: str = "reference"):
     if path == "fast":
         return accumulate_fast(state, batch)
-    skipped = F.accumulate_attention_reference(
+    skipped = accumulate_attention_reference(
         state["S"], state["C"], state["Q"], *batch.args(), uniform_sum=state["U"], position_sums=state["P"]
     )
     assert skipped.dtype == torch.int64 and skipped.dim() == 0
@@ -728,8 +729,8 @@ def test_accumulate_attention_fast_path_equals_reference_path(spec):
     ref = run(spec, batch, "reference")
     rows = max(kept_rows(batch), 1)
     # The whole (small) batch in one chunk, and one sample per chunk as for a large batch on CPU.
-    for chunk_bytes in (F._CPU_CHUNK_BYTES, 1):
-        with mock.patch.object(F, "_CPU_CHUNK_BYTES", chunk_bytes):
+    for chunk_bytes in (kernels._CPU_CHUNK_BYTES, 1):
+        with mock.patch.object(kernels, "_CPU_CHUNK_BYTES", chunk_bytes):
             fast = run(spec, batch, "fast")
         assert torch.equal(fast["C"], ref["C"]) and torch.equal(fast["Q"], ref["Q"]), "counts are exact"
         assert fast["skipped"] == ref["skipped"]

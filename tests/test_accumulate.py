@@ -1,6 +1,6 @@
 import torch
 
-from attn_callbacks.metrics import _SUMS, AttentionAccumulator
+from attn_callbacks.accumulate import SUM_FIELDS, AttentionAccumulator
 
 
 def batches():
@@ -43,7 +43,7 @@ def test_accumulator_compute_keeps_shapes_for_a_one_id_vocabulary():
         assert tuple(stats.attention_sum.shape) == (1 if mean else heads, vocab_q, vocab_k)
         assert tuple(stats.pair_count.shape) == tuple(stats.uniform_sum.shape) == (vocab_q, vocab_k)
         assert tuple(stats.query_count.shape) == (vocab_q,) and stats.query_count.tolist() == [2]
-        for field in _SUMS:
+        for field in SUM_FIELDS:
             assert torch.equal(getattr(stats, field), getattr(views, field)), field
         # P = S / Q: the 3 keys' thirds, folded onto the key ids they hold
         expected = torch.bincount(keys, minlength=vocab_k).float() / 3
@@ -87,7 +87,7 @@ def test_accumulator_shared_pair_index_gives_the_same_sums():
         qv, kv = q != 5, k != 0  # some ignored positions
         own.update(w, q, k, qv, kv)
         shared.update(w, q, k, qv, kv, pairs=pair_index(q, k, qv, kv, 6, 4))
-    for field in (*_SUMS, "attention_mass", "mean_weight"):
+    for field in (*SUM_FIELDS, "attention_mass", "mean_weight"):
         assert torch.equal(getattr(own.compute(), field), getattr(shared.compute(), field)), field
         # stats(): the same numbers as views of the state, without torchmetrics' copy
         assert torch.equal(getattr(own.stats(), field), getattr(own.compute(), field)), field
@@ -125,12 +125,12 @@ def _sync_rank(rank: int, store_path: str, out_path: str) -> None:
             raise AssertionError("the state was gathered")
 
         dist.all_gather = no_gather  # this process only: the sync must be a reduction, never a gather
-        first = {field: getattr(acc.stats(), field).clone() for field in _SUMS}
-        second = {field: getattr(acc.stats(), field).clone() for field in _SUMS}  # the local state came back
+        first = {field: getattr(acc.stats(), field).clone() for field in SUM_FIELDS}
+        second = {field: getattr(acc.stats(), field).clone() for field in SUM_FIELDS}  # the local state came back
         restored = all(torch.equal(getattr(acc, name), getattr(local, name)) for name in acc._reductions)
         # in place: the same sums, in the state itself (no local copy kept), and nothing adds to them until reset
         summed = acc.stats(in_place=True)
-        third = {field: getattr(summed, field).clone() for field in _SUMS}
+        third = {field: getattr(summed, field).clone() for field in SUM_FIELDS}
         no_copy = summed.attention_sum.untyped_storage().data_ptr() == acc.sums.untyped_storage().data_ptr()
         refused = []
         w, q, k = next(batches())
@@ -197,6 +197,6 @@ def test_accumulator_sync_sums_ranks_in_place_without_gathering(tmp_path):
         assert saved["partial_refused"] and len(saved["refused"]) == 6, saved["refused"]
         assert saved["refused"][3:5] == ["lost a rank"] * 2 and "count them again" in saved["refused"][5]
         assert "count them again" in saved["refused"][0] and "already summed" in saved["refused"][1]
-        for field in _SUMS:
+        for field in SUM_FIELDS:
             for which in ("first", "second", "third"):
                 torch.testing.assert_close(saved[which][field], getattr(expected, field), msg=f"{rank} {which} {field}")

@@ -1,12 +1,10 @@
-"""Matrices -> labelled heatmap images (matplotlib's object API on the Agg canvas; pyplot's global state untouched)."""
+"""Matplotlib figures: labelled heatmaps and grids of them (the object API on the Agg canvas; pyplot untouched)."""
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from matplotlib import transforms
@@ -15,66 +13,7 @@ from matplotlib.collections import QuadMesh
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-__all__ = [
-    "FigureCache",
-    "TokenLabels",
-    "Tokenizer",
-    "abs_max",
-    "figure_to_array",
-    "head_grid",
-    "heatmap",
-    "label_tokens",
-    "markdown_table",
-    "png_bytes",
-]
-
-
-@runtime_checkable
-class Tokenizer(Protocol):
-    """What labels need of a Hugging Face tokenizer: ``convert_ids_to_tokens`` (``None`` for an unknown id)."""
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]: ...
-
-
-TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | Tokenizer | None
-
-MAX_LABEL = 14
-
-
-def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length: int | None = MAX_LABEL) -> list[str]:
-    """Readable labels for token ids: from a list, dict, callable or Hugging Face tokenizer, else the id itself.
-
-    Args:
-        ids: token ids.
-        id_to_token: a list, dict or callable id -> str, or a tokenizer (anything with ``convert_ids_to_tokens``, which
-            is called once for all ``ids``); ids are used where it has no entry (or when None).
-        max_length: longer labels are trimmed to this many characters, ending in "…"; None keeps them whole.
-
-    Example:
-        >>> label_tokens([0, 2], ["<pad>", "the", "a-very-long-word-piece"])
-        ['<pad>', 'a-very-long-w…']
-    """
-    labels = []
-    # A tokenizer is callable too (text -> ids): it must be recognised before the callable case.
-    tokens = None
-    if isinstance(id_to_token, Tokenizer):
-        known = [int(i) for i in ids if int(i) >= 0]  # a fast tokenizer cannot take a negative id
-        found = iter(id_to_token.convert_ids_to_tokens(known))
-        tokens = [next(found) if int(i) >= 0 else None for i in ids]
-    for position, token in enumerate(ids):
-        if tokens is not None:
-            text = str(token) if tokens[position] is None else str(tokens[position])
-        elif id_to_token is None:
-            text = str(token)
-        elif callable(id_to_token) and not isinstance(id_to_token, (Mapping, Sequence)):
-            text = str(id_to_token(token))
-        elif isinstance(id_to_token, Mapping):
-            text = str(id_to_token.get(token, token))
-        else:
-            text = str(id_to_token[token]) if 0 <= token < len(id_to_token) else str(token)
-        text = text.replace("\n", "\\n") or repr(text)
-        labels.append(text if max_length is None or len(text) <= max_length else text[: max_length - 1] + "…")
-    return labels
+__all__ = ["FigureCache", "abs_max", "head_grid", "heatmap"]
 
 
 # Fixed layout in inches, computed from the labels: matplotlib's constrained layout measures every tick label
@@ -301,47 +240,6 @@ def head_grid(
     return figure
 
 
-def figure_to_array(figure: Figure) -> np.ndarray:
-    """Render a figure to an ``(H, W, 3)`` uint8 RGB array (for ``SummaryWriter.add_image(..., dataformats="HWC")``)."""
-    canvas = FigureCanvasAgg(figure)
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:
-    """An ``(H, W, 3)`` uint8 RGB array (or ``(H, W, 4)`` RGBA, its alpha dropped) as RGB PNG bytes.
-
-    Every scanline uses the PNG "Up" filter (each byte minus the byte above it): a heatmap's cells repeat row after
-    row, so the filtered image is mostly zeros, and zlib level 1 then compresses it about as small as Pillow's
-    encoder (which tries every filter on every row, with no option to skip that) in about half its time. Any PNG
-    reader decodes it to the same pixels. Unlike Pillow, it takes 8-bit RGB(A) only: what the Agg canvas holds.
-    """
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] not in (3, 4) or 0 in image.shape:
-        raise ValueError(
-            "Expected argument `image` to be a non-empty (H, W, 3) or (H, W, 4) uint8 array, "
-            f"but got {image.dtype} {image.shape}"
-        )
-    height, width = image.shape[:2]
-    rgb = np.ascontiguousarray(image[..., :3]).reshape(height, width * 3)
-    rows = np.empty((height, 1 + width * 3), dtype=np.uint8)  # one filter-type byte, then the filtered row
-    rows[:, 0] = 2  # Up; the first row's "above" is zeros, so it is stored as is
-    rows[:1, 1:] = rgb[:1]
-    np.subtract(rgb[1:], rgb[:-1], out=rows[1:, 1:])  # modulo 256, as PNG filters are
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, adaptive filters, no interlace
-    return b"".join(
-        [
-            b"\x89PNG\r\n\x1a\n",
-            chunk(b"IHDR", header),
-            chunk(b"IDAT", zlib.compress(rows.data, compress_level)),
-            chunk(b"IEND", b""),
-        ]
-    )
-
-
 class FigureCache:
     """Renders heatmaps to RGB arrays, reusing each tag's figure while its labels and titles stay the same.
 
@@ -465,15 +363,3 @@ class FigureCache:
             figure.draw_artist(text)
         pixels = np.asarray(canvas.buffer_rgba())  # (H, W, 4), the canvas' own buffer: copied before it is reused
         return pixels.copy() if alpha else pixels[..., :3].copy()
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A Markdown table (TensorBoard's text plugin renders it); ``|`` in cells escaped."""
-
-    def cell(value: object) -> str:
-        text = f"{value:.3f}" if isinstance(value, float) else str(value)
-        return text.replace("|", "\\|")
-
-    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
-    return "\n".join(lines)

@@ -3,78 +3,84 @@ import itertools
 
 import numpy as np
 import pytest
+from _reference import figure_to_array
 from matplotlib.text import Text
 from PIL import Image
 
-from attn_callbacks import render
+from attn_callbacks import figures
+from attn_callbacks.streams import label_tokens
+from attn_callbacks.tables import markdown_table
+from attn_callbacks.writer import png_bytes
 
 
 def test_label_tokens_list_dict_callable_and_ids():
-    assert render.label_tokens([0, 1, 9], ["a", "b"]) == ["a", "b", "9"]
-    assert render.label_tokens([3], {3: "x|y"}) == ["x|y"]
-    assert render.label_tokens([2], lambda i: f"t{i}") == ["t2"]
-    assert render.label_tokens([5]) == ["5"]
-    assert render.label_tokens([0], ["x" * 40])[0].endswith("…") and len(render.label_tokens([0], ["x" * 40])[0]) == 14
+    assert label_tokens([0, 1, 9], ["a", "b"]) == ["a", "b", "9"]
+    assert label_tokens([3], {3: "x|y"}) == ["x|y"]
+    assert label_tokens([2], lambda i: f"t{i}") == ["t2"]
+    assert label_tokens([5]) == ["5"]
+    assert label_tokens([0], ["x" * 40])[0].endswith("…") and len(label_tokens([0], ["x" * 40])[0]) == 14
 
 
 def test_heatmap_renders_labelled_rgb_image():
     matrix = np.array([[0.9, 0.1], [0.3, 0.7]])
-    figure = render.heatmap(matrix, ["the", "cat"], ["the", "cat"], "layer 0", "P")
+    figure = figures.heatmap(matrix, ["the", "cat"], ["the", "cat"], "layer 0", "P")
     ax = figure.axes[0]
     assert ax.get_ylabel().startswith("query token") and ax.get_xlabel().startswith("key token")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["the", "cat"]
     assert len(figure.axes) == 2  # the colour bar
-    image = render.figure_to_array(figure)
+    image = figure_to_array(figure)
     assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3 and image.shape[0] > 100
 
 
 def test_head_grid_and_diverging_map_render():
-    grid = render.head_grid(np.random.rand(3, 4, 4), list("abcd"), list("abcd"), "layer", "P")
+    grid = figures.head_grid(np.random.rand(3, 4, 4), list("abcd"), list("abcd"), "layer", "P")
     assert [ax.get_title() for ax in grid.axes[:3]] == ["head 0", "head 1", "head 2"]
-    diverging = render.heatmap(np.array([[0.0, 0.5], [-0.5, 0.0]]), ["a", "b"], ["a", "b"], "d", "P-Pt", diverging=True)
-    assert render.figure_to_array(diverging).shape[2] == 3
+    diverging = figures.heatmap(
+        np.array([[0.0, 0.5], [-0.5, 0.0]]), ["a", "b"], ["a", "b"], "d", "P-Pt", diverging=True
+    )
+    assert figure_to_array(diverging).shape[2] == 3
 
 
 def test_markdown_table_escapes_pipes():
-    table = render.markdown_table(["a", "b"], [("x|y", 0.12345)])
+    table = markdown_table(["a", "b"], [("x|y", 0.12345)])
     assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 0.123 |"]
 
 
 def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_memory_cap():
     rng = np.random.default_rng(0)
     labels = [f"t{i}" for i in range(12)]
-    cache = render.FigureCache()
+    cache = figures.FigureCache()
     first, second = rng.random((12, 12)), 3 * rng.random((12, 12))
     assert np.array_equal(
         cache.heatmap("m", first, labels, labels, "T", "P"),
-        render.figure_to_array(render.heatmap(first, labels, labels, "T", "P")),
+        figure_to_array(figures.heatmap(first, labels, labels, "T", "P")),
     )
     again = cache.heatmap("m", second, labels, labels, "T", "P")  # reused figure, new data and colour scale
-    assert np.array_equal(again, render.figure_to_array(render.heatmap(second, labels, labels, "T", "P")))
+    assert np.array_equal(again, figure_to_array(figures.heatmap(second, labels, labels, "T", "P")))
     diverging = rng.standard_normal((12, 12))
     diverging[0, 0] = np.nan
     cache.heatmap("d", -diverging, labels, labels, "T", "P", diverging=True)
     assert np.array_equal(
         cache.heatmap("d", diverging, labels, labels, "T", "P", diverging=True),
-        render.figure_to_array(render.heatmap(diverging, labels, labels, "T", "P", diverging=True)),
+        figure_to_array(figures.heatmap(diverging, labels, labels, "T", "P", diverging=True)),
     )
     heads = rng.random((3, 12, 12))
     cache.head_grid("g", heads[::-1], labels, labels, "G", "P")
     assert np.array_equal(
         cache.head_grid("g", heads, labels, labels, "G", "P"),
-        render.figure_to_array(render.head_grid(heads, labels, labels, "G", "P")),
+        figure_to_array(figures.head_grid(heads, labels, labels, "G", "P")),
     )
     # new labels: a new figure for the tag
     other = cache.heatmap("m", first, labels[::-1], labels, "T", "P")
-    assert np.array_equal(other, render.figure_to_array(render.heatmap(first, labels[::-1], labels, "T", "P")))
+    assert np.array_equal(other, figure_to_array(figures.heatmap(first, labels[::-1], labels, "T", "P")))
     assert len(cache._entries) == 3
-    tiny = render.FigureCache(max_bytes=0)  # nothing kept, still drawn right
+    tiny = figures.FigureCache(max_bytes=0)  # nothing kept, still drawn right
     assert np.array_equal(tiny.heatmap("m", second, labels, labels, "T", "P"), again) and not tiny._entries
     # alpha=True: the same pixels with the canvas' opaque alpha channel, which PNG encoding drops
     with_alpha = cache.heatmap("m", second, labels, labels, "T", "P", alpha=True)
     assert with_alpha.shape == (*again.shape[:2], 4) and (with_alpha[..., 3] == 255).all()
     assert np.array_equal(with_alpha[..., :3], again)
-    decoded = np.asarray(Image.open(io.BytesIO(render.png_bytes(with_alpha))))
+    decoded = np.asarray(Image.open(io.BytesIO(png_bytes(with_alpha))))
     assert decoded.shape == again.shape and np.array_equal(decoded, again)
 
 
@@ -91,11 +97,11 @@ def _inside(figure, box):
 def test_tick_labels_never_overlap_and_titles_fit_in_the_image(n):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    labels = render.label_tokens(range(n), [f"word-piece-{i}-with-a-long-tail" for i in range(n)])
+    labels = label_tokens(range(n), [f"word-piece-{i}-with-a-long-tail" for i in range(n)])
     layer = "model.encoder.layer.11.attention.self"
     for figure in (
-        render.heatmap(np.random.rand(n, n), labels, labels, f"{layer}: attention mass P (mean of heads)", "P"),
-        render.head_grid(np.random.rand(6, n, n), labels, labels, f"{layer}: attention mass P per head", "P"),
+        figures.heatmap(np.random.rand(n, n), labels, labels, f"{layer}: attention mass P (mean of heads)", "P"),
+        figures.head_grid(np.random.rand(6, n, n), labels, labels, f"{layer}: attention mass P per head", "P"),
     ):
         FigureCanvasAgg(figure).draw()
         renderer = figure.canvas.get_renderer()
@@ -118,46 +124,46 @@ def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
     labels = [f"t{i}" for i in range(10)]
     small, large = np.full((10, 10), 0.2), np.full((10, 10), 0.8)
     small[0, 0] = large[0, 0] = 0.2  # one cell with the same value in both
-    a = render.heatmap(small, labels, labels, "T", "P", vmax=1.0)
-    b = render.heatmap(large, labels, labels, "T", "P", vmax=1.0)
+    a = figures.heatmap(small, labels, labels, "T", "P", vmax=1.0)
+    b = figures.heatmap(large, labels, labels, "T", "P", vmax=1.0)
     assert a.axes[0].collections[0].get_clim() == (0.0, 1.0)
-    pixels_a, pixels_b = render.figure_to_array(a), render.figure_to_array(b)
+    pixels_a, pixels_b = figure_to_array(a), figure_to_array(b)
     ax = a.axes[0]
     FigureCanvasAgg(a).draw()
     x, y = ax.transData.transform((0.5, 0.5))  # centre of cell [0, 0]
     row, col = int(a.bbox.height - y), int(x)
     assert np.array_equal(pixels_a[row, col], pixels_b[row, col])  # same value, same colour
     assert not np.array_equal(pixels_a[row, col + 40], pixels_b[row, col + 40])  # 0.2 vs 0.8
-    cache = render.FigureCache()
+    cache = figures.FigureCache()
     cache.heatmap("m", large, labels, labels, "T", "P", vmax=2.0)
     again = cache.heatmap("m", small, labels, labels, "T", "P", vmax=1.0)
     assert np.array_equal(again, pixels_a)
-    grid = render.head_grid(np.stack([small, large]), labels, labels, "G", "P", vmax=3.0)
+    grid = figures.head_grid(np.stack([small, large]), labels, labels, "G", "P", vmax=3.0)
     assert all(ax.collections[0].get_clim() == (0.0, 3.0) for ax in grid.axes[:2])
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 3), (1, 7, 4), (9, 1, 3), (37, 53, 3), (40, 31, 4)])
 def test_png_bytes_decode_to_the_same_pixels_for_any_size_and_noise(shape):
     image = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
-    decoded = Image.open(io.BytesIO(render.png_bytes(image)))
+    decoded = Image.open(io.BytesIO(png_bytes(image)))
     assert decoded.mode == "RGB" and decoded.size == (shape[1], shape[0])
     assert np.array_equal(np.asarray(decoded), image[..., :3])
 
 
 def test_png_bytes_of_a_heatmap_is_smaller_than_pillows_and_bad_images_are_refused():
     labels = [f"tok{i}" for i in range(30)]
-    pixels = render.figure_to_array(render.heatmap(np.random.default_rng(0).random((30, 30)), labels, labels, "T", "P"))
-    ours = render.png_bytes(pixels)
+    pixels = figure_to_array(figures.heatmap(np.random.default_rng(0).random((30, 30)), labels, labels, "T", "P"))
+    ours = png_bytes(pixels)
     theirs = io.BytesIO()
     Image.fromarray(pixels).save(theirs, format="PNG", compress_level=1)
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(ours))), pixels)
     assert len(ours) < 1.25 * len(theirs.getvalue())  # about as small (their zlib build may differ from Python's)
     with pytest.raises(ValueError, match=r"`image` to be a non-empty \(H, W, 3\) or .* uint8 array, but got float32"):
-        render.png_bytes(np.zeros((4, 4, 3), dtype=np.float32))
+        png_bytes(np.zeros((4, 4, 3), dtype=np.float32))
     with pytest.raises(ValueError, match=r"but got uint8 \(4, 4\)"):
-        render.png_bytes(np.zeros((4, 4), dtype=np.uint8))
+        png_bytes(np.zeros((4, 4), dtype=np.uint8))
     with pytest.raises(ValueError, match=r"non-empty .* but got uint8 \(0, 4, 3\)"):
-        render.png_bytes(np.zeros((0, 4, 3), dtype=np.uint8))
+        png_bytes(np.zeros((0, 4, 3), dtype=np.uint8))
 
 
 @pytest.mark.parametrize("diverging", [False, True])
@@ -171,8 +177,8 @@ def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(dive
         matrix -= 0.5
     matrix[2, 3] = np.nan
     labels_r, labels_c = [f"q{i}" for i in range(rows)], [f"k{j}" for j in range(cols)]
-    figure = render.heatmap(matrix, labels_r, labels_c, "T", "P", diverging=diverging, vmax=0.5 if diverging else 1.0)
-    pixels = render.figure_to_array(figure)
+    figure = figures.heatmap(matrix, labels_r, labels_c, "T", "P", diverging=diverging, vmax=0.5 if diverging else 1.0)
+    pixels = figure_to_array(figure)
     FigureCanvasAgg(figure).draw()
     ax, height = figure.axes[0], figure.bbox.height
     cmap = colormaps["RdBu_r" if diverging else "viridis"]
@@ -201,12 +207,12 @@ def test_colour_bar_reads_its_scale_at_five_marks_over_the_colour_map_and_its_la
 
     # "-1.23e-05" and "-1.23e+100" are the longest numbers .3g writes for ordinary and absurd scales
     matrix = np.array([[0.0, limit], [-limit / 2 if diverging else limit / 2, limit / 4]])
-    figure = render.heatmap(matrix, ["a", "b"], ["a", "b"], "T", "attention mass P", diverging=diverging)
+    figure = figures.heatmap(matrix, ["a", "b"], ["a", "b"], "T", "attention mass P", diverging=diverging)
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     pixels = np.asarray(canvas.buffer_rgba())[..., :3]
     bar, renderer = figure.axes[-1], canvas.get_renderer()
-    numbers = [t for t in bar.texts if t.get_gid() == render._BAR_GID]
+    numbers = [t for t in bar.texts if t.get_gid() == figures._BAR_GID]
     low = -limit if diverging else 0.0
     if diverging:  # symmetric about 0
         assert [t.get_text() for t in numbers[:2]] == ["-" + t.get_text() for t in numbers[:2:-1]]

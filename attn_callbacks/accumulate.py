@@ -1,0 +1,350 @@
+"""Epoch sums: one :class:`AttentionAccumulator` per (attention module, dataloader), the memory budget they may hold,
+and the per-batch dispatch of weights to them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from attn_callbacks.config import format_bytes
+from attn_callbacks.kernels import POSITION_STATS, accumulate_attention, pair_index
+from attn_callbacks.summary import attention_mass, mean_weight
+from attn_callbacks.summed_metric import SummedMetric
+
+__all__ = ["SUM_FIELDS", "AttentionAccumulator", "AttentionStats", "EpochSums", "merge_stats"]
+
+
+@dataclass(eq=False)
+class AttentionStats:
+    """What :meth:`AttentionAccumulator.compute` returns; see the glossary in docs/reading.md.
+
+    The raw sums are fields; ``P`` and ``M`` are derived on first access (each is as large as ``S``, and the
+    callback never needs ``M``).
+
+    Attributes:
+        attention_sum: ``S``, ``(H, Vq, Vk)`` float32.
+        pair_count: ``C``, ``(Vq, Vk)`` int64.
+        query_count: ``Q``, ``(Vq,)`` int64.
+        skipped_rows: number of valid query rows dropped because their weights were not finite, or all zero
+            (0-dim int64).
+        uniform_sum: ``U``, the uniform-attention baseline, ``(Vq, Vk)`` float32 (see
+            :func:`attn_callbacks.functional.lift`).
+        position_sums: ``(len(POSITION_STATS), H)`` float32 position-level sums (see
+            :func:`attn_callbacks.functional.position_statistics`).
+    """
+
+    attention_sum: Tensor
+    pair_count: Tensor
+    query_count: Tensor
+    skipped_rows: Tensor
+    uniform_sum: Tensor
+    position_sums: Tensor
+
+    @cached_property
+    def attention_mass(self) -> Tensor:
+        """``P = S / Q[:, None]`` per head, ``(H, Vq, Vk)`` (see :func:`attn_callbacks.functional.attention_mass`)."""
+        return attention_mass(self.attention_sum, self.query_count)
+
+    @cached_property
+    def mean_weight(self) -> Tensor:
+        """``M = S / C`` per head, ``(H, Vq, Vk)`` (see :func:`attn_callbacks.functional.mean_weight`)."""
+        return mean_weight(self.attention_sum, self.pair_count)
+
+
+#: The raw sums of :class:`AttentionStats`, in field order. This is also the export file format (see
+#: :func:`attn_callbacks.save_epoch`): never reorder or rename.
+SUM_FIELDS = tuple(field.name for field in fields(AttentionStats))
+
+
+def merge_stats(parts: Sequence[AttentionStats]) -> AttentionStats:
+    """The statistics of the union of several disjoint sets of batches (e.g. validation dataloaders): every raw sum
+    added, ``P`` and ``M`` derived again (never averaged)."""
+    if not parts:
+        raise ValueError("Expected at least one AttentionStats to merge, but got none")
+    return AttentionStats(*(sum(getattr(part, field) for part in parts) for field in SUM_FIELDS))
+
+
+class AttentionAccumulator(SummedMetric):
+    """Running vocabulary × vocabulary attention sums for one attention module.
+
+    States (all ``dist_reduce_fx="sum"``, so DDP ranks add up), packed for the fast path of
+    :func:`attn_callbacks.functional.accumulate_attention`: ``sums (H + 1, Vq * Vk + 1)`` holds ``S`` per head and the
+    uniform baseline ``U``, ``pair_count (Vq * Vk + 1,)`` and ``query_count (Vq + 1,)``, each with one discard cell
+    where ignored positions go; plus ``skipped_rows`` and ``position_sums (len(POSITION_STATS), H)``. Updates never
+    sync with the host. Division happens only in :meth:`compute`, which returns the usual shapes.
+
+    Args:
+        num_heads: number of attention heads ``H``.
+        query_vocab_size: size ``Vq`` of the vocabulary of the query tokens.
+        key_vocab_size: size ``Vk`` of the vocabulary of the key tokens.
+        mean_of_heads: keep ``mean_h S[h]`` only (``attention_sum`` then has one row), ``H`` times less memory and a
+            faster update; position sums stay per head.
+
+    Example:
+        >>> acc = AttentionAccumulator(num_heads=1, query_vocab_size=3, key_vocab_size=3)
+        >>> ids = torch.tensor([[1, 2]])
+        >>> valid = torch.ones(1, 2, dtype=torch.bool)
+        >>> acc.update(torch.tensor([[[[0.25, 0.75], [1.0, 0.0]]]]), ids, ids, valid, valid)
+        >>> acc.compute().attention_mass[0, 1].tolist()
+        [0.0, 0.25, 0.75]
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    sums: Tensor
+    pair_count: Tensor
+    query_count: Tensor
+    skipped_rows: Tensor
+    position_sums: Tensor
+
+    def __init__(
+        self, num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool = False, **kwargs
+    ) -> None:
+        super().__init__(**kwargs)
+        for name, value in (
+            ("num_heads", num_heads),
+            ("query_vocab_size", query_vocab_size),
+            ("key_vocab_size", key_vocab_size),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Expected argument `{name}` to be a positive integer, but got {value!r}")
+        self.num_heads = num_heads
+        self.query_vocab_size = query_vocab_size
+        self.key_vocab_size = key_vocab_size
+        self.mean_of_heads = bool(mean_of_heads)
+        for name, (shape, dtype) in self._state_shapes(num_heads, query_vocab_size, key_vocab_size, mean_of_heads):
+            self.add_sum(name, shape, dtype)
+
+    @staticmethod
+    def _state_shapes(
+        num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool
+    ) -> list[tuple[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """Every state's shape and dtype: the one definition that allocation and :meth:`state_bytes` share."""
+        plane = query_vocab_size * key_vocab_size + 1  # the vocabulary plane plus the discard cell
+        return [
+            ("sums", (((1 if mean_of_heads else num_heads) + 1, plane), torch.float32)),
+            ("pair_count", ((plane,), torch.long)),
+            ("query_count", ((query_vocab_size + 1,), torch.long)),
+            ("skipped_rows", ((), torch.long)),
+            # float32 like the other sums: float64 states would not move to MPS devices.
+            ("position_sums", ((len(POSITION_STATS), num_heads), torch.float32)),
+        ]
+
+    @staticmethod
+    def state_bytes(num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool = False) -> int:
+        """Bytes of state one accumulator holds: ``(H + 1) · (Vq · Vk + 1) · 4 + (Vq · Vk + 1) · 8 + (Vq + 1) · 8``
+        plus a few scalars (float32 sums, int64 counts); ``H`` counts as 1 with ``mean_of_heads``."""
+        shapes = AttentionAccumulator._state_shapes(num_heads, query_vocab_size, key_vocab_size, mean_of_heads)
+        return sum(math.prod(shape) * dtype.itemsize for _, (shape, dtype) in shapes)
+
+    def update(
+        self,
+        weights: Tensor,
+        query_ids: Tensor,
+        key_ids: Tensor,
+        query_valid: Tensor,
+        key_valid: Tensor,
+        pairs: Tensor | None = None,
+    ) -> None:
+        """Add one batch of weights ``(B, H, Lq, Lk)`` with the ``(B, Lq)`` / ``(B, Lk)`` ids and validity of its
+        queries and keys (ids in ``[0, Vq)`` / ``[0, Vk)`` at valid positions).
+
+        ``pairs`` is :func:`attn_callbacks.functional.pair_index` of the ids, when the caller already has it (it
+        depends on the ids only, so modules reading the same streams can share it).
+        """
+        if self.summed_in_place:
+            raise RuntimeError(
+                "AttentionAccumulator.update: the state holds every process's sums (stats(in_place=True)); adding to "
+                "it would count them again. reset() first"
+            )
+        if pairs is None:
+            pairs = pair_index(query_ids, key_ids, query_valid, key_valid, self.query_vocab_size, self.key_vocab_size)
+        skipped = accumulate_attention(
+            self.sums,
+            self.pair_count,
+            self.query_count,
+            self.position_sums,
+            weights,
+            pairs,
+            query_ids,
+            query_valid,
+            key_valid,
+        )
+        self.skipped_rows += skipped
+
+    def compute(self) -> AttentionStats:
+        """The (process-summed) sums and counts in their usual shapes (discard cells dropped); ``P = S / Q`` and
+        ``M = S / C`` per head are derived on access. torchmetrics returns a copy; see :meth:`stats` for views."""
+        return self._unpack()
+
+    def shape_result(self, result: AttentionStats) -> AttentionStats:
+        """Undo torchmetrics' squeeze of every one-element tensor in the result (a vocabulary of one id): each field
+        keeps the shape :class:`AttentionStats` documents."""
+        heads, vocab_q, vocab_k = self.sums.shape[0] - 1, self.query_vocab_size, self.key_vocab_size
+        return AttentionStats(
+            result.attention_sum.reshape(heads, vocab_q, vocab_k),
+            result.pair_count.reshape(vocab_q, vocab_k),
+            result.query_count.reshape(vocab_q),
+            result.skipped_rows,
+            result.uniform_sum.reshape(vocab_q, vocab_k),
+            result.position_sums,  # (len(POSITION_STATS), H): never one element
+        )
+
+    def stats(self, in_place: bool = False) -> AttentionStats:
+        """What :meth:`compute` returns, summed across processes like it, but as views of the state, without the copy
+        torchmetrics makes (hundreds of MB for a large vocabulary). Valid until the next update or reset.
+
+        Args:
+            in_place: under DDP, sum across processes into the state itself. The usual sync first copies the local
+                state to restore afterwards (a second copy of the state on each device); in place keeps none, for a
+                caller that resets right after. Until :meth:`reset`, :attr:`summed_in_place` is true and
+                :meth:`update` and :meth:`stats` refuse. The same as the default in a single process.
+        """
+        if self.summed_in_place:
+            raise RuntimeError(
+                "AttentionAccumulator.stats: the state was already summed across processes in place; reset() first"
+            )
+        if not in_place:
+            with self.sync_context(dist_sync_fn=self.dist_sync_fn):
+                return self._unpack()
+        self.sum_in_place()
+        return self._unpack()
+
+    def _unpack(self) -> AttentionStats:
+        heads, vocab_q, vocab_k = self.sums.shape[0] - 1, self.query_vocab_size, self.key_vocab_size
+        plane = self.sums[:, : vocab_q * vocab_k].view(heads + 1, vocab_q, vocab_k)  # (channels + 1, Vq, Vk)
+        return AttentionStats(
+            attention_sum=plane[:heads],
+            pair_count=self.pair_count[: vocab_q * vocab_k].view(vocab_q, vocab_k),
+            query_count=self.query_count[:vocab_q],
+            skipped_rows=self.skipped_rows,
+            uniform_sum=plane[heads],
+            position_sums=self.position_sums,
+        )
+
+
+class EpochSums:
+    """The sums of the epoch being monitored: an :class:`AttentionAccumulator` per (module, dataloader index), on the
+    module's device, allocated once and zeroed in place between epochs.
+
+    Args:
+        per_head: keep ``S`` per head (else the mean of the heads only).
+        memory_budget: the most bytes of sums per device, or None for no limit.
+    """
+
+    def __init__(self, per_head: bool = True, memory_budget: int | None = None) -> None:
+        self.per_head = per_head
+        self.memory_budget = memory_budget
+        self.metrics: dict[tuple[str, int], AttentionAccumulator] = {}
+        self._pairs: dict[tuple[str, str], Tensor] = {}  # this batch's pair index per (query, key) stream
+        self._calls: set[str] = set()  # modules that ran in this batch
+        self._warned: set[str] = set()  # modules warned of for running more than once in a batch
+        self._budget_logged = False
+
+    def state_bytes(self, shapes: Mapping[str, tuple[int, int, int]], loaders: int) -> dict[str, int]:
+        """Bytes of sums each module will hold per device (all its dataloaders); ``shapes``: module -> ``(H, Vq,
+        Vk)``."""
+        return {
+            name: loaders * AttentionAccumulator.state_bytes(*shape, not self.per_head)
+            for name, shape in shapes.items()
+        }
+
+    def check_budget(self, shapes: Mapping[str, tuple[int, int, int]], loaders: int) -> None:
+        """Log the bytes the sums will hold (once), and refuse with the figure and the knobs when over budget."""
+        per_module = self.state_bytes(shapes, loaders)
+        total = sum(per_module.values())
+        budget = self.memory_budget
+        if not self._budget_logged and loaders > 0 and per_module:
+            self._budget_logged = True
+            rank_zero_info(
+                f"AttentionMonitor: {len(per_module)} attention module(s) × {loaders} dataloader(s) will hold "
+                f"{format_bytes(total)} of attention sums per device (memory_budget: "
+                f"{'none' if budget is None else format_bytes(budget)})"
+            )
+        if budget is None or total <= budget:
+            return
+        largest = max(per_module, key=per_module.__getitem__)
+        _, vocab_q, vocab_k = shapes[largest]
+        raise MisconfigurationException(
+            f"AttentionMonitor would hold {format_bytes(total)} of attention sums per device "
+            f"({len(per_module)} module(s) × {loaders} dataloader(s); the largest, {largest!r}, "
+            f"{format_bytes(per_module[largest])} for a {vocab_q} × {vocab_k} vocabulary), over argument "
+            f"`memory_budget`={format_bytes(budget)}. Sums grow with the square of the vocabulary: set "
+            "`max_tracked_tokens` (e.g. 2048 keeps exact sums for the 2048 most frequent ids and folds the rest into "
+            "<other>), or `per_head=False` (the mean of the heads only), or select fewer modules with `modules`, or "
+            "raise `memory_budget` (None disables the check)."
+        )
+
+    def start(
+        self, shapes: Mapping[str, tuple[int, int, int]], devices: Mapping[str, torch.device], loaders: int
+    ) -> None:
+        """Zeroed sums for every (module, dataloader) on the module's device; budget checked before any allocation."""
+        self.check_budget(shapes, loaders)
+        with torch.inference_mode(False):  # state tensors must be normal tensors, not inference tensors
+            for name, shape in shapes.items():
+                for idx in range(loaders):
+                    metric = self.metrics.get((name, idx))
+                    if metric is None:
+                        metric = AttentionAccumulator(*shape, mean_of_heads=not self.per_head)
+                        self.metrics[(name, idx)] = metric
+                    metric.to(devices[name])
+                    if metric.update_count or metric.summed_in_place:  # an interrupted epoch's; else zero
+                        metric.reset()
+        for key in [key for key in self.metrics if key[1] >= loaders]:  # fewer loaders than last time
+            del self.metrics[key]
+
+    def start_batch(self) -> None:
+        self._pairs.clear()
+        self._calls.clear()
+
+    def add(
+        self,
+        name: str,
+        dataloader_idx: int,
+        streams: tuple[str, str],
+        weights: Tensor,
+        query: tuple[Tensor, Tensor],
+        key: tuple[Tensor, Tensor],
+    ) -> None:
+        """Add one call's weights ``(B, H, Lq, Lk)`` with the ``(ids, valid)`` of its query and key stream."""
+        if name in self._calls and name not in self._warned:
+            self._warned.add(name)
+            rank_zero_warn(
+                f"AttentionMonitor: attention module {name!r} ran more than once in one batch (one module shared "
+                "by several layers, as in ALBERT, or called in a loop): its sums add up every call, so its maps "
+                "and numbers mix those calls; the probe shows the last one.",
+            )
+        self._calls.add(name)
+        metric = self.metrics[(name, dataloader_idx)]
+        # The pair index depends on the ids only: one per batch for all modules reading the same streams.
+        pairs = self._pairs.get(streams)
+        if pairs is None or pairs.device != weights.device:
+            pairs = pair_index(query[0], key[0], query[1], key[1], metric.query_vocab_size, metric.key_vocab_size)
+            self._pairs[streams] = pairs
+        metric.update(weights, query[0], key[0], query[1], key[1], pairs=pairs)
+
+    def collect(self) -> tuple[dict[tuple[str, int], AttentionStats], dict[str, AttentionStats]]:
+        """Every (module, dataloader)'s statistics and every module's over all dataloaders. A collective under DDP:
+        views of the state, summed in place with no copy, valid until :meth:`reset`."""
+        per_loader = {key: metric.stats(in_place=True) for key, metric in self.metrics.items()}
+        loaders = 1 + max((idx for _, idx in per_loader), default=0)
+        merged = {
+            name: merge_stats([per_loader[(name, idx)] for idx in range(loaders)]) if loaders > 1 else stats
+            for (name, idx), stats in per_loader.items()
+            if idx == 0
+        }
+        return per_loader, merged
+
+    def reset(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+        self._pairs.clear()

@@ -1,0 +1,266 @@
+"""One monitored epoch's results for one module: its numbers (from :mod:`attn_callbacks.summary`), warnings, images
+and tables, handed to the writers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from attn_callbacks.accumulate import AttentionStats
+from attn_callbacks.drift import DriftMemory, head_mean
+from attn_callbacks.images import Images
+from attn_callbacks.probe import Probe
+from attn_callbacks.streams import Streams
+from attn_callbacks.summary import attention_mass, summarize
+from attn_callbacks.tables import module_tables, top_tokens
+from attn_callbacks.writer import Painter, log_heads, log_layer, tensorboard_writer
+
+__all__ = ["Reporter"]
+
+
+class Reporter:
+    """Turns a module's epoch sums into logged scalars, warnings, heatmaps and tables.
+
+    Args are :class:`~attn_callbacks.AttentionMonitor`'s of the same names; ``streams``, ``drift`` and ``probe`` are
+    the monitor's.
+    """
+
+    def __init__(
+        self,
+        streams: Streams,
+        drift: DriftMemory,
+        probe: Probe,
+        *,
+        per_head: bool,
+        top_k: int,
+        num_pairs: int,
+        min_support: int,
+        entropy_collapse_threshold: float,
+        color_scale: str,
+    ) -> None:
+        self.streams, self.drift, self.probe = streams, drift, probe
+        self.per_head = per_head
+        self.top_k = top_k
+        self.num_pairs = num_pairs
+        self.min_support = min_support
+        self.entropy_collapse_threshold = entropy_collapse_threshold
+        self.images = Images(color_scale)
+        self.painter = Painter()
+        self._ranks: dict[tuple[str, str, str], Tensor] = {}  # the last PageRank per (module, prefix, suffix)
+        self._warned: set[str] = set()
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
+
+    def tensorboard(self, trainer: Trainer) -> Any:
+        """The TensorBoard writer of rank 0, or None (with a warning, once, when rank 0 has none)."""
+        writer = tensorboard_writer(trainer)
+        if writer is None and trainer.is_global_zero:
+            why = (
+                "fast_dev_run replaces the Trainer's loggers with a dummy one"
+                if trainer.fast_dev_run
+                else "no TensorBoardLogger in the Trainer"
+            )
+            self.warn_once(
+                "no_tb",
+                f"AttentionMonitor: {why}, so heatmaps and tables are skipped; scalars are still logged to the "
+                "Trainer's loggers.",
+            )
+        return writer if trainer.is_global_zero else None
+
+    def epoch(
+        self,
+        trainer: Trainer,
+        per_loader: dict[tuple[str, int], AttentionStats],
+        merged: dict[str, AttentionStats],
+        prefix: str,
+        drift: bool,
+    ) -> dict[str, dict[str, Tensor]]:
+        """Log every module's epoch: combined over dataloaders, and per dataloader (``/dataloader_idx_{k}``) when
+        there are several. On a drift epoch, returns what drift memory keeps of the derived numbers, per module."""
+        writer = self.tensorboard(trainer)
+        if drift:
+            self._reuse_spare_memory(merged)
+        loaders = 1 + max(idx for _, idx in per_loader)
+        derived: dict[str, dict[str, Tensor]] = {}
+        heads: dict[tuple[str, str], Tensor] = {}  # every module's per-head scalars, logged in one call
+        pl_module, step = trainer.lightning_module, trainer.global_step
+        finished = False
+        try:
+            for name, stats in merged.items():
+                # The combined view (a drift epoch's, kept by drift memory), then each dataloader's when several.
+                views = [(stats, drift, "", derived if drift else None)]
+                if loaders > 1:
+                    views += [(per_loader[(name, k)], False, f"/dataloader_idx_{k}", None) for k in range(loaders)]
+                for view, is_drift, suffix, keep in views:
+                    where = dict(prefix=prefix, step=step, drift=is_drift, suffix=suffix, derived=keep)
+                    heads.update(self.module(pl_module, writer, name, self.streams.of[name], view, **where))
+            log_heads(trainer, heads)
+            finished = True
+        finally:
+            self.painter.finish(raise_errors=finished)
+        return derived
+
+    def _reuse_spare_memory(self, merged: dict[str, AttentionStats]) -> None:
+        """Compute each module's ``P`` into the memory of a retired drift snapshot, where there is one. Only on the
+        CPU: for ``P`` on another device, drift memory copies it into the spare instead."""
+        for name, stats in merged.items():
+            sums = stats.attention_sum
+            on_cpu = sums.device.type == "cpu"
+            spare = self.drift.take_spare(name, sums.shape, sums.dtype, sums.device) if on_cpu else None
+            if spare is not None:
+                stats.attention_mass = attention_mass(sums, stats.query_count, out=spare)  # the cached property
+
+    def module(
+        self,
+        pl_module: LightningModule,
+        writer: Any,
+        name: str,
+        streams: tuple[str, str],
+        stats: AttentionStats,
+        *,
+        prefix: str,
+        step: int,
+        drift: bool,
+        suffix: str = "",
+        derived: dict[str, dict[str, Tensor]] | None = None,
+    ) -> dict[tuple[str, str], Tensor]:
+        """Log one module's scalars, images and tables; return its per-head scalars, ``(tag, suffix) -> (H,)``, for
+        :func:`~attn_callbacks.writer.log_heads`. With ``derived``, what drift memory keeps of this epoch's numbers
+        (``row_plogp``, ``mean_mass`` on the CPU) goes there."""
+        if int(stats.query_count.sum()) == 0:
+            return {}  # nothing seen by this module (or this dataloader): no numbers to log
+        layer = name or "attention"
+        square = streams[0] == streams[1]
+        mass_heads = stats.attention_mass  # (H, Vq, Vk)
+        previous, reference = self.drift.snapshots(name, mass_heads.shape) if drift else (None, None)
+        summary = summarize(
+            mass_heads,
+            stats.attention_sum,
+            stats.uniform_sum,
+            stats.query_count,
+            stats.position_sums,
+            stats.skipped_rows,
+            square=square,
+            sink_ids=self.streams.sink_indices(streams[1]),
+            previous=previous,
+            reference=reference,
+            min_support=self.min_support,
+        )
+        mass, sum_mean = head_mean(mass_heads), head_mean(stats.attention_sum)
+        if derived is not None:
+            derived[name] = {"row_plogp": summary.plogp_heads.cpu(), "mean_mass": mass.cpu()}
+        log_layer(pl_module, {f"{prefix}_{key}/{layer}{suffix}": value for key, value in summary.layer.items()})
+        self._warn(name, summary.heads.get("position/entropy_normalized"), stats)
+        if writer is not None:
+            self._draw(
+                writer, name, layer, streams, stats, mass, sum_mean, reference, summary.drifts, step, prefix, suffix
+            )
+        if not self.per_head:
+            return {}
+        return {(f"{prefix}_{key}/{layer}", suffix): values for key, values in summary.heads.items()}
+
+    def _warn(self, name: str, entropy_normalized: Tensor | None, stats: AttentionStats) -> None:
+        if self.entropy_collapse_threshold > 0 and entropy_normalized is not None:
+            for h, value in enumerate(entropy_normalized.tolist()):
+                if value < self.entropy_collapse_threshold:
+                    self.warn_once(
+                        f"collapse:{name}:{h}",
+                        f"AttentionMonitor: head {h} of attention module {name!r} has normalised entropy {value:.3f} "
+                        f"< entropy_collapse_threshold={self.entropy_collapse_threshold}: nearly every query looks at "
+                        "a single key (attention collapse, or a sink).",
+                    )
+        if int(stats.skipped_rows) > 0:
+            self.warn_once(
+                f"skipped:{name}",
+                f"AttentionMonitor: {int(stats.skipped_rows)} query rows of attention module {name!r} had non-finite "
+                "or all-zero weights (fully masked rows? padded positions whose id is not in `ignore_ids`?) and were "
+                "left out of the sums",
+            )
+
+    def _draw(
+        self,
+        writer: Any,
+        name: str,
+        layer: str,
+        streams: tuple[str, str],
+        stats: AttentionStats,
+        mass: Tensor,
+        sum_mean: Tensor,
+        reference: Any,
+        drifts: dict[str, Any],
+        step: int,
+        prefix: str,
+        suffix: str,
+    ) -> None:
+        query_stream, key_stream = streams
+        square = query_stream == key_stream
+        label = self.streams.label
+        images = {} if suffix else self._probe_maps(name, layer, streams, prefix)
+        rows = top_tokens(stats.query_count[self.streams.tokens(query_stream)], self.top_k)
+        # Cross-attention's keys by how often they were visible: a pass over C, not paid for self-attention.
+        cols = (
+            rows if square else top_tokens(stats.pair_count[:, self.streams.tokens(key_stream)].sum(dim=0), self.top_k)
+        )
+        if len(rows) and len(cols):
+            images.update(
+                self.images.module_maps(
+                    f"{prefix}_{{family}}/{layer}",
+                    layer,
+                    mass=mass,
+                    mass_heads=stats.attention_mass if self.per_head else None,
+                    sum_mean=sum_mean,
+                    uniform_sum=stats.uniform_sum,
+                    pair_count=stats.pair_count,
+                    rows=rows,
+                    cols=cols,
+                    row_labels=label(rows.tolist(), query_stream),
+                    col_labels=label(cols.tolist(), key_stream),
+                    square=square,
+                    reference_mass=None if reference is None else reference.mean_mass,
+                    reference_epoch=self.drift.reference_epoch,
+                    suffix=suffix,
+                )
+            )
+        texts: dict[str, str] = {}
+        if self.num_pairs:
+            key = (name, prefix, suffix)
+            tables, self._ranks[key] = module_tables(
+                stats,
+                mass,
+                sum_mean,
+                square=square,
+                query_tokens=self.streams.tokens(query_stream),
+                key_tokens=self.streams.tokens(key_stream),
+                query_label=lambda a: label([a], query_stream)[0],
+                key_label=lambda b: label([b], key_stream)[0],
+                num_pairs=self.num_pairs,
+                min_support=self.min_support,
+                reference=reference,
+                drifts=drifts,
+                epochs=(self.drift.reference_epoch, self.drift.previous_epoch),
+                rank_start=self._ranks.get(key),
+            )
+            texts = {f"{prefix}_{kind}/{layer}": table for kind, table in tables.items()}
+        for tag, image in images.items():
+            self.painter.image(writer, tag + suffix, image, step)
+        for tag, text in texts.items():
+            self.painter.text(writer, tag + suffix, text, step)
+
+    def _probe_maps(self, name: str, layer: str, streams: tuple[str, str], prefix: str) -> dict[str, Any]:
+        weights, ids = self.probe.weights.get(name), self.probe.ids
+        if weights is None or ids is None:
+            return {}
+        query_ids, key_ids = ids[streams[0]], ids[streams[1]]
+        samples = []
+        for sample in range(min(weights.shape[0], query_ids.shape[0])):
+            q_ids, k_ids = query_ids[sample], key_ids[sample]
+            q_pos, k_pos = self.streams.valid(q_ids).nonzero()[:, 0], self.streams.valid(k_ids).nonzero()[:, 0]
+            q_labels = self.streams.batch_label(q_ids[q_pos].tolist(), streams[0])
+            samples.append((q_pos, k_pos, q_labels, self.streams.batch_label(k_ids[k_pos].tolist(), streams[1])))
+        return self.images.probe_maps(f"{prefix}_probe/{layer}", layer, weights, samples)

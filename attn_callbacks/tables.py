@@ -1,0 +1,290 @@
+"""The text tables of one module's epoch (one-way pairs, lift pairs, moved tokens, hubs) and the rankings behind
+them: pure functions of the sums, with labels given as functions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attn_callbacks.accumulate import AttentionStats
+from attn_callbacks.blocks import safe_divide
+from attn_callbacks.drift import Snapshot, moved_tokens
+from attn_callbacks.summary import Drift, in_degree, lift
+
+__all__ = ["markdown_table", "module_tables", "one_way_pairs", "pagerank", "top_pairs", "top_tokens"]
+
+
+def top_tokens(counts: Tensor, k: int) -> Tensor:
+    """Ids of the ``k`` most frequent tokens with a non-zero count, most frequent first (ties: smaller id first)."""
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[: min(k, int((counts > 0).sum()))]
+
+
+def top_pairs(score: Tensor, pair_count: Tensor, k: int, min_support: int = 1) -> list[tuple[int, int, float]]:
+    """The ``k`` pairs ``(a, b)`` with the largest ``score[a, b]`` among pairs seen ``C[a, b] >= min_support`` times.
+
+    Args:
+        score: ``(Vq, Vk)``, e.g. the lift.
+        pair_count: ``(Vq, Vk)`` pair counts.
+        k: how many pairs to return.
+        min_support: the minimum pair count.
+
+    Returns:
+        Up to ``k`` tuples ``(a, b, score[a, b])``, largest first (ties: smaller flat index first).
+    """
+    candidates = (pair_count >= min_support).reshape(-1).nonzero()[:, 0]  # ascending flat index
+    values = score.reshape(-1)[candidates]
+    keep = torch.isfinite(values)
+    values, candidates = _at_least_kth(values[keep], k, candidates[keep])
+    order = torch.sort(values, descending=True, stable=True).indices[:k]
+    size = score.shape[-1]
+    chosen = zip(candidates[order].tolist(), values[order].tolist(), strict=True)
+    return [(i // size, i % size, v) for i, v in chosen]
+
+
+def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int = 1) -> list[tuple[int, int, float]]:
+    """The ``k`` most one-way pairs ``(a, b)`` by ``A[a, b] = (P[a, b] - P[b, a]) / (P[a, b] + P[b, a])``.
+
+    Only pairs seen both ways at least ``min_support`` times count (``C[a, b] >= min_support`` and
+    ``C[b, a] >= min_support``), so a pair is not "one-way" merely because ``b`` never saw ``a``. Ties in ``A``
+    (typically at 1) are broken by the larger ``P[a, b] - P[b, a]``.
+
+    Args:
+        matrix: ``(V, V)`` attention mass.
+        pair_count: ``(V, V)`` pair counts.
+        k: how many pairs to return.
+        min_support: the minimum pair count in both directions.
+
+    Returns:
+        Up to ``k`` tuples ``(a, b, A[a, b])`` with ``A > 0``, most one-way first.
+    """
+    size = matrix.shape[-1]
+    seen = pair_count >= min_support
+    support = seen & seen.T  # a transposed read of bools, not of the int64 counts: several times faster on CPU
+    # A > 0 iff P[a, b] > P[b, a]: only those cells are candidates, usually a small share of V².
+    candidates = (support & (matrix > matrix.T)).reshape(-1).nonzero()[:, 0]  # ascending flat index
+    forward = matrix.reshape(-1)[candidates]
+    backward = matrix.T.reshape(-1)[candidates]
+    gap = forward - backward
+    score = gap / (forward + backward)
+    score, candidates, gap = _at_least_kth(score, k, candidates, gap)
+    # Two stable sorts = lexicographic order on (score, gap), both descending; then the smaller flat index.
+    order = torch.sort(gap, descending=True, stable=True).indices
+    order = order[torch.sort(score[order], descending=True, stable=True).indices][:k]
+    chosen = zip(candidates[order].tolist(), score[order].tolist(), strict=True)
+    return [(i // size, i % size, a) for i, a in chosen]
+
+
+def _at_least_kth(score: Tensor, k: int, *others: Tensor) -> tuple[Tensor, ...]:
+    """``(score, *others)`` kept where ``score`` is at least its ``k``-th largest value, in their order: the first
+    ``k`` of a stable descending sort are among them, ties included, so sorting these few gives the same ``k`` as
+    sorting all (millions of candidate pairs for a large vocabulary)."""
+    if k < 0:
+        raise ValueError(f"Expected argument `k` to be a non-negative integer, but got {k}")
+    if score.numel() <= k:
+        return score, *others
+    if k == 0:
+        return score[:0], *(other[:0] for other in others)
+    threshold = torch.topk(score, k, sorted=False).values.min()
+    if torch.isnan(threshold):  # NaN ranks above everything in a descending sort: keep all, sort them all
+        return score, *others
+    keep = score >= threshold
+    return score[keep], *(other[keep] for other in others)
+
+
+def pagerank(
+    matrix: Tensor, damping: float = 0.85, tol: float = 1e-10, max_iter: int = 1000, start: Tensor | None = None
+) -> Tensor:
+    """PageRank of the directed graph whose edge ``a → b`` has weight ``P[a, b]`` (query ``a`` attends to key ``b``).
+
+    The stationary distribution ``π = (1 - d) / V + d · π T`` of the random walk that follows attention with
+    probability ``d`` (row-normalised ``T = P / P.sum(1)``; a token with no outgoing attention jumps uniformly) and
+    restarts uniformly otherwise. Large ``π[b]``: attention flows to ``b`` from tokens that themselves receive much.
+    Rows are normalised, so the sums ``S`` give the same ranks as ``P = S / Q``.
+
+    Args:
+        matrix: ``(V, V)`` non-negative.
+        damping: ``d`` in ``[0, 1)``.
+        tol: stop when the L1 change is below this.
+        max_iter: iteration cap.
+        start: ``(V,)`` first guess (the last epoch's ranks, say): only how fast the iteration gets there depends on
+            it. Uniform when None.
+
+    Returns:
+        ``(V,)`` float64, sums to 1.
+
+    Example:
+        >>> pagerank(torch.tensor([[0.0, 1.0], [0.0, 1.0]]), damping=0.5).tolist()  # everyone looks at token 1
+        [0.25, 0.75]
+    """
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"Expected a square (V, V) matrix for PageRank, but got shape {tuple(matrix.shape)}")
+    size = matrix.shape[-1]
+    if not 0 <= damping < 1:
+        raise ValueError(f"Expected argument `damping` to be in [0, 1), but got {damping!r}")
+    if start is not None and (start.shape != (size,) or not bool(torch.isfinite(start).all()) or start.sum() <= 0):
+        raise ValueError(f"Expected argument `start` to be {size} finite weights with a positive sum, got {start!r}")
+    weights = matrix.double()
+    out = weights.sum(dim=1)
+    # π T = (π / out) @ P over the rows with outgoing attention, plus the mass of the others spread uniformly: the
+    # (float64) matrix is read as it is, not normalised into a second V × V copy.
+    inverse_out = torch.where(out > 0, 1 / torch.where(out > 0, out, 1), 0)
+    if not bool(torch.isfinite(inverse_out).all()):  # a subnormal row sum: normalise by division instead
+        weights, inverse_out = safe_divide(weights, out[:, None]), (out > 0).double()
+    dangling = (out == 0).double()  # (V,): a product, not a boolean index (a device sync per iteration on GPU)
+    rank = torch.full((size,), 1.0 / size, dtype=torch.float64, device=matrix.device)
+    if start is not None:
+        rank = start.to(rank).clamp(min=0)
+        rank = rank / rank.sum()
+    for _ in range(max_iter):
+        spread = (rank @ dangling) / size
+        new = (1 - damping) / size + damping * ((rank * inverse_out) @ weights + spread)
+        done = float((new - rank).abs().sum()) < tol
+        rank = new
+        if done:
+            break
+    return rank / rank.sum()
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (TensorBoard's text plugin renders it); ``|`` in cells escaped."""
+
+    def cell(value: object) -> str:
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def module_tables(
+    stats: AttentionStats,
+    mass: Tensor,
+    sum_mean: Tensor,
+    *,
+    square: bool,
+    query_tokens: slice,
+    key_tokens: slice,
+    query_label: Callable[[int], str],
+    key_label: Callable[[int], str],
+    num_pairs: int,
+    min_support: int,
+    reference: Snapshot | None = None,
+    drifts: dict[str, Drift] | None = None,
+    epochs: tuple[int | None, int | None] = (None, None),
+    rank_start: Tensor | None = None,
+) -> tuple[dict[str, str], Tensor | None]:
+    """One module's tables as Markdown, by kind: ``one_way_pairs`` (self-attention), ``lift_pairs``,
+    ``drift_tokens`` (with a reference) and ``hubs``; and the PageRank it computed (self-attention), where the next
+    epoch's starts (``rank_start``).
+
+    Args:
+        stats: the module's sums.
+        mass: ``mean_h P``, ``(Vq, Vk)``.
+        sum_mean: ``mean_h S``, ``(Vq, Vk)``.
+        square: self-attention.
+        query_tokens: the query indices that are tokens (``<other>`` left out).
+        key_tokens: the key indices that are tokens.
+        query_label: label of a query index.
+        key_label: label of a key index.
+        num_pairs: rows per table.
+        min_support: the least evidence a row needs (see ``AttentionMonitor``).
+        reference: the reference epoch, for the moved tokens.
+        drifts: this epoch's drifts ("prev" / "ref"), whose row JS the moved tokens rank.
+        epochs: (reference epoch, previous epoch), for the headers.
+        rank_start: last epoch's PageRank, a first guess.
+    """
+    tq, tk = query_tokens, key_tokens
+    count = stats.pair_count[tq, tk]
+    tables: dict[str, str] = {}
+
+    def table(header: Sequence[str], rows: list[Sequence[object]], empty: str) -> str:
+        return markdown_table(header, rows) if rows else empty
+
+    needs = f"No pair seen at least min_support={min_support} times"
+    if square:
+        rows: list[Sequence[object]] = [
+            (query_label(a), key_label(b), score, float(mass[a, b]), float(mass[b, a]), int(count[a, b]))
+            for a, b, score in one_way_pairs(mass[tq, tk], count, num_pairs, min_support)
+        ]
+        header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
+        tables["one_way_pairs"] = table(header, rows, f"{needs} in both directions.")
+    lifts = lift(sum_mean[tq, tk], stats.uniform_sum[tq, tk])
+    rows = [
+        (query_label(a), key_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / stats.query_count[a]))
+        for a, b, score in top_pairs(lifts, count, num_pairs, min_support)
+    ]
+    header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
+    tables["lift_pairs"] = table(header, rows, f"{needs}.")
+    drifts = drifts or {}
+    if reference is not None and "ref" in drifts:
+        tables["drift_tokens"] = _drift_table(
+            stats, mass, reference, drifts, tq, tk, query_label, key_label, num_pairs, min_support, epochs
+        )
+    degree = in_degree(sum_mean, stats.query_count)
+    rank = None
+    if square:
+        # The sums give P's ranks (rows are normalised); last epoch's ranks are a close first guess.
+        start = rank_start if rank_start is not None and rank_start.shape == degree.shape else None
+        rank = pagerank(sum_mean, start=start)
+        order = top_tokens((rank * (degree > 0))[tk], num_pairs).tolist()
+        rows = [(key_label(b), float(rank[b]), float(degree[b]), int(stats.query_count[b])) for b in order]
+        header = ("token", "PageRank", "in-degree (share of attention received)", "Q")
+    else:
+        order = top_tokens(degree[tk], num_pairs).tolist()
+        rows = [(key_label(b), float(degree[b])) for b in order]
+        header = ("key token", "in-degree (share of attention received)")
+    tables["hubs"] = table(header, rows, "No attention recorded.")
+    return tables, rank
+
+
+def _drift_table(
+    stats: AttentionStats,
+    mass: Tensor,
+    reference: Snapshot,
+    drifts: dict[str, Drift],
+    tq: slice,
+    tk: slice,
+    query_label: Callable[[int], str],
+    key_label: Callable[[int], str],
+    num_pairs: int,
+    min_support: int,
+    epochs: tuple[int | None, int | None],
+) -> str:
+    """The query tokens whose attention moved most since the reference epoch."""
+    ref_mass = reference.mean_mass  # where the snapshot lives: only the moved rows are read
+    ref_count = reference.query_count.to(mass.device)
+    moved = moved_tokens(
+        mass[tq], None, stats.query_count[tq], ref_count[tq], num_pairs, min_support, drifts["ref"].rows[tq]
+    )
+    prev_js: list[Any] = [""] * len(moved)
+    if "prev" in drifts and moved:  # NaN (not shown) where the token was too rare in the previous epoch
+        prev_js = [
+            "" if math.isnan(js) else js
+            for js in drifts["prev"].rows[torch.tensor([a for a, _ in moved], device=mass.device)].tolist()
+        ]
+    rows = [
+        (
+            query_label(a),
+            js,
+            prev,
+            key_label(int(mass[a, tk].argmax())),
+            key_label(int(ref_mass[a, tk].argmax())),
+            int(stats.query_count[a]),
+        )
+        for (a, js), prev in zip(moved, prev_js, strict=True)
+    ]
+    header = (
+        "query token",
+        f"JS vs epoch {epochs[0]}",
+        f"JS vs epoch {epochs[1]}",
+        "top key now",
+        "top key then",
+        "Q now",
+    )
+    return markdown_table(header, rows) if rows else "No query token seen often enough."
