@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from attn_callbacks.blocks import safe_divide
+from attn_callbacks.kernels import POSITION_STATS
 
 
 def add_loop_sums(S: torch.Tensor, Q: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pad: int) -> None:
@@ -161,3 +162,129 @@ def spying(obj, method, spy):
         yield
     finally:
         delattr(obj, method)
+
+
+# Cases and loops shared by test_kernels.py and test_summary.py.
+def naive_accumulate(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
+    """float64 Python-loop reference of S, C, Q."""
+    b_, h_, lq, lk = weights.shape
+    S = torch.zeros(h_, vq, vk, dtype=torch.float64)
+    C = torch.zeros(vq, vk, dtype=torch.float64)
+    Q = torch.zeros(vq, dtype=torch.float64)
+    skipped = 0
+    for n in range(b_):
+        for i in range(lq):
+            if not query_valid[n, i]:
+                continue
+            if not torch.isfinite(weights[n, :, i]).all() or not (weights[n, :, i] > 0).any():
+                skipped += 1
+                continue
+            a = int(query_ids[n, i])
+            Q[a] += 1
+            for j in range(lk):
+                if not key_valid[n, j]:
+                    continue
+                b = int(key_ids[n, j])
+                C[a, b] += 1
+                for h in range(h_):
+                    S[h, a, b] += float(weights[n, h, i, j])
+    return S, C, Q, skipped
+
+
+def random_case(b, h, lq, lk, vq, vk, causal=False, pad_id=-100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(b, h, lq, lk, generator=g)
+    if causal:
+        scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(1), float("-inf"))
+    weights = scores.softmax(-1)
+    query_ids = torch.randint(0, vq, (b, lq), generator=g)  # small vocab: many repeated ids
+    key_ids = torch.randint(0, vk, (b, lk), generator=g)
+    query_ids[0, -2:] = pad_id
+    key_ids[-1, -3:] = pad_id
+    return weights, query_ids, key_ids, query_ids != pad_id, key_ids != pad_id
+
+
+def run(weights, query_ids, key_ids, qv, kv, vq, vk):
+    h = weights.shape[1]
+    S = torch.zeros(h, vq, vk)
+    C = torch.zeros(vq, vk, dtype=torch.long)
+    Q = torch.zeros(vq, dtype=torch.long)
+    skipped = accumulate_attention_reference(S, C, Q, weights, query_ids, key_ids, qv, kv)
+    return S, C, Q, int(skipped)
+
+
+def row_kept(weights, query_valid, n, i):
+    return bool(query_valid[n, i]) and bool(torch.isfinite(weights[n, :, i]).all())
+
+
+def visible_keys(weights, key_valid, n, i):
+    """Valid keys that at least one head gives a non-zero weight."""
+    h_, lk = weights.shape[1], weights.shape[3]
+    return [j for j in range(lk) if key_valid[n, j] and any(float(weights[n, h, i, j]) != 0.0 for h in range(h_))]
+
+
+def naive_uniform(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
+    """float64 Python-loop reference of U."""
+    b_, _, lq, _ = weights.shape
+    U = torch.zeros(vq, vk, dtype=torch.float64)
+    for n in range(b_):
+        for i in range(lq):
+            if not row_kept(weights, query_valid, n, i):
+                continue
+            visible = visible_keys(weights, key_valid, n, i)
+            for j in visible:
+                U[int(query_ids[n, i]), int(key_ids[n, j])] += 1.0 / len(visible)
+    return U
+
+
+def naive_position_sums(weights, query_valid, key_valid):
+    """float64 Python-loop reference of the position sums, rows in the order of F.POSITION_STATS."""
+    b_, h_, lq, lk = weights.shape
+    P = torch.zeros(6, h_, dtype=torch.float64)
+    for n in range(b_):
+        for i in range(lq):
+            if not row_kept(weights, query_valid, n, i):
+                continue
+            visible = visible_keys(weights, key_valid, n, i)
+            for h in range(h_):
+                # weights restricted to valid keys; 0 outside the key range
+                w = {j: float(weights[n, h, i, j]) if key_valid[n, j] else 0.0 for j in range(lk)}
+                total = sum(w.values())  # entropy of the row renormalised over the valid keys
+                P[0, h] += -sum(x / total * math.log(x / total) for x in w.values() if x > 0)
+                P[1, h] += math.log(len(visible)) if visible else 0.0
+                P[2, h] += w.get(i, 0.0)
+                P[3, h] += w.get(i - 1, 0.0)
+                P[4, h] += w.get(i + 1, 0.0)
+                P[5, h] += sum(x * abs(i - j) for j, x in w.items())
+    return P
+
+
+def run_full(weights, query_ids, key_ids, qv, kv, vq, vk):
+    h = weights.shape[1]
+    S = torch.zeros(h, vq, vk)
+    C = torch.zeros(vq, vk, dtype=torch.long)
+    Q = torch.zeros(vq, dtype=torch.long)
+    U = torch.zeros(vq, vk, dtype=torch.float64)
+    P = torch.zeros(len(POSITION_STATS), h, dtype=torch.float64)
+    skipped = accumulate_attention_reference(
+        S, C, Q, weights, query_ids, key_ids, qv, kv, uniform_sum=U, position_sums=P
+    )
+    return S, C, Q, U, P, int(skipped)
+
+
+def masked_case(b, h, lengths, vocab, causal=True, uniform=False, pad_id=-100, seed=0):
+    """Self-attention batch whose weights are exactly 0 on padded (and causally masked) keys.
+
+    ``lengths[n]`` real tokens per sequence, then padding. ``uniform``: weights uniform over the unmasked keys.
+    """
+    g = torch.Generator().manual_seed(seed)
+    length = max(lengths)
+    ids = torch.randint(0, vocab, (b, length), generator=g)
+    valid = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    ids = torch.where(valid, ids, pad_id)
+    allowed = valid[:, None, None, :].expand(b, h, length, length).clone()
+    if causal:
+        allowed &= torch.ones(length, length, dtype=torch.bool).tril()
+    scores = torch.zeros(b, h, length, length) if uniform else torch.randn(b, h, length, length, generator=g)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return weights, ids, ids, valid, valid

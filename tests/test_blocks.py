@@ -1,0 +1,37 @@
+import torch
+
+from attn_callbacks import blocks
+from attn_callbacks import functional as F
+from attn_callbacks.blocks import row_blocks, square_tiles
+
+
+def test_epoch_statistics_by_row_blocks_equal_the_whole_matrix_computation(monkeypatch):
+    # Large vocabularies are processed a block of rows at a time on CPU; tiny blocks here take that path on a small
+    # matrix, which must give the numbers of the one-block path (itself tested against float64 loops).
+    g = torch.Generator().manual_seed(3)
+    S = torch.rand(3, 11, 11, generator=g) ** 4
+    S[:, 2] = 0  # an unseen query row
+    Q = torch.randint(0, 9, (11,), generator=g)
+    U = torch.rand(11, 11, generator=g) + 0.1
+    P, P2 = F.attention_mass(S, Q), F.attention_mass(torch.rand(3, 11, 11, generator=g), Q)
+
+    def statistics():
+        return {
+            "row_plogp": F.row_plogp(P),
+            "asymmetry": F.asymmetry_index(P),
+            "lift": F.mean_lift(S, U),
+            "js": F.js_divergence(P, P2),
+            "drift": torch.stack(F.attention_drift(P, P2, Q, Q.flip(0), 3)),
+            "drift_plogp": torch.stack(F.attention_drift(P, P2, Q, Q, 1, F.row_plogp(P), F.row_plogp(P2))),
+            "drift_rows_few": F.attention_drift(P, P2, Q, Q.flip(0), 3, row_divergence=True)[2].nan_to_num(-1.0),
+            "drift_rows_all": F.attention_drift(P, P2, Q, Q, 1, row_divergence=True)[2].nan_to_num(-1.0),
+        }
+
+    whole = statistics()
+    monkeypatch.setattr(blocks, "ROW_BLOCK_BYTES", 3 * 11 * 4 * 2)  # two rows (of all heads) per block
+    assert len(row_blocks(P)) == 6
+    assert len(square_tiles(P)) == 10  # tiles of 3 x 3 cells (and ragged edges) on or above the diagonal
+    blocked = statistics()
+    for name, value in whole.items():
+        torch.testing.assert_close(blocked[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    assert float(F.attention_drift(P, P, Q, Q, 1)[0].abs().max()) == 0.0  # an epoch against itself: exactly 0

@@ -1,0 +1,149 @@
+import math
+
+import pytest
+import torch
+
+from attn_callbacks import functional as F
+
+
+def test_pairwise_asymmetry_and_one_way_pairs():
+    p = torch.tensor([[0.2, 0.6, 0.2], [0.2, 0.8, 0.0], [0.1, 0.1, 0.8]])
+    a = F.pairwise_asymmetry(p)
+    assert math.isclose(float(a[0, 1]), (0.6 - 0.2) / 0.8, rel_tol=1e-6)
+    torch.testing.assert_close(a, -a.T)
+    counts = torch.full((3, 3), 10)
+    pairs = F.one_way_pairs(p, counts, k=5, min_support=5)
+    # (2,1): (0.1 - 0) / 0.1 = 1; (0,1): 0.4 / 0.8 = 0.5; (0,2): 0.1 / 0.3 = 1/3
+    assert [(x, y) for x, y, _ in pairs] == [(2, 1), (0, 1), (0, 2)]
+    assert math.isclose(pairs[0][2], 1.0, rel_tol=1e-6)
+    counts[1, 2] = 1  # pair (2, 1) not seen both ways often enough
+    assert [(x, y) for x, y, _ in F.one_way_pairs(p, counts, k=5, min_support=5)] == [(0, 1), (0, 2)]
+
+
+def test_top_tokens_orders_by_count_and_drops_unseen():
+    assert F.top_tokens(torch.tensor([0, 5, 2, 5, 0]), 10).tolist() == [1, 3, 2]
+
+
+def naive_pagerank(matrix, damping):
+    """Leading left eigenvector of the Google matrix, in numpy float64."""
+    import numpy as np
+
+    p = np.asarray(matrix, dtype=np.float64)
+    v = p.shape[0]
+    out = p.sum(axis=1, keepdims=True)
+    t = np.where(out > 0, p / np.where(out > 0, out, 1.0), 1.0 / v)
+    google = damping * t + (1 - damping) / v
+    values, vectors = np.linalg.eig(google.T)
+    lead = vectors[:, np.argmin(np.abs(values - 1))].real
+    return lead / lead.sum()
+
+
+def test_pagerank_matches_numpy_eigenvector():
+    g = torch.Generator().manual_seed(24)
+    for v, damping in ((5, 0.85), (7, 0.5), (4, 0.0), (6, 0.95)):
+        matrix = torch.rand(v, v, generator=g) * (torch.rand(v, v, generator=g) > 0.4)
+        matrix[1] = 0  # a dangling token: jumps uniformly
+        rank = F.pagerank(matrix, damping=damping)
+        assert rank.dtype == torch.float64 and rank.shape == (v,)
+        expected = torch.from_numpy(naive_pagerank(matrix.numpy(), damping))
+        torch.testing.assert_close(rank, expected, rtol=0, atol=1e-8)
+        assert math.isclose(float(rank.sum()), 1.0, rel_tol=1e-12)
+
+
+def test_pagerank_of_sums_equals_pagerank_of_mass_and_does_not_depend_on_the_start():
+    g = torch.Generator().manual_seed(7)
+    sums = torch.rand(6, 6, generator=g, dtype=torch.float64) * (torch.rand(6, 6, generator=g) > 0.3)
+    sums[2] = 0  # dangling
+    counts = torch.tensor([3, 1, 0, 5, 2, 4])
+    expected = torch.from_numpy(naive_pagerank(F.attention_mass(sums, counts).numpy(), 0.85))
+    torch.testing.assert_close(F.pagerank(sums), expected, rtol=0, atol=1e-9)
+    for start in (torch.rand(6, generator=g), torch.eye(6)[4], expected * 3):
+        torch.testing.assert_close(F.pagerank(sums, start=start), expected, rtol=0, atol=1e-9)
+    for bad in (torch.zeros(6), torch.ones(5), torch.full((6,), float("nan"))):
+        with pytest.raises(ValueError, match="start"):
+            F.pagerank(sums, start=bad)
+    tiny = sums.clone()
+    tiny[1] *= 1e-310  # a subnormal row sum, whose reciprocal overflows: normalised by division instead
+    torch.testing.assert_close(F.pagerank(tiny), expected, rtol=0, atol=1e-9)
+
+
+def test_pagerank_docstring_example_and_uniform_cases():
+    rank = F.pagerank(torch.tensor([[0.0, 1.0], [0.0, 1.0]]), damping=0.5)
+    # pi_0 = 0.25 + 0.5 * 0 ; pi_1 = 0.25 + 0.5 * (pi_0 + pi_1)
+    torch.testing.assert_close(rank, torch.tensor([0.25, 0.75], dtype=torch.float64), rtol=0, atol=1e-9)
+    torch.testing.assert_close(F.pagerank(torch.zeros(4, 4)), torch.full((4,), 0.25, dtype=torch.float64))
+    torch.testing.assert_close(F.pagerank(torch.ones(3, 3)), torch.full((3,), 1 / 3, dtype=torch.float64))
+
+
+def test_pagerank_rejects_bad_shape_and_damping():
+    import pytest
+
+    for bad in (torch.zeros(2, 3), torch.zeros(2, 2, 2), torch.zeros(3)):
+        with pytest.raises(ValueError, match="shape"):
+            F.pagerank(bad)
+    for damping in (1.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="damping"):
+            F.pagerank(torch.ones(2, 2), damping=damping)
+
+
+def test_top_pairs_orders_by_score_and_filters_by_support():
+    score = torch.tensor([[0.5, 3.0, 1.0], [2.0, 0.1, 3.0], [-1.0, 4.0, 2.0]], dtype=torch.float64)
+    counts = torch.tensor([[5, 5, 1], [5, 5, 5], [5, 2, 5]])
+    pairs = F.top_pairs(score, counts, k=10, min_support=3)
+    # (2, 1) = 4.0 and (0, 2) = 1.0 are below support; ties at 3.0 and 2.0: smaller flat index first
+    assert pairs == [(0, 1, 3.0), (1, 2, 3.0), (1, 0, 2.0), (2, 2, 2.0), (0, 0, 0.5), (1, 1, 0.1), (2, 0, -1.0)]
+    assert F.top_pairs(score, counts, k=2, min_support=3) == [(0, 1, 3.0), (1, 2, 3.0)]
+    assert F.top_pairs(score, counts, k=2, min_support=1)[0] == (2, 1, 4.0)
+    assert F.top_pairs(score, counts, k=3, min_support=6) == []
+
+
+def test_top_pairs_rectangular_matrix():
+    score = torch.tensor([[0.2, 0.9, 0.4, 0.7], [0.8, 0.1, 0.3, 0.6]])
+    counts = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])
+    assert F.top_pairs(score, counts, k=3) == [
+        (1, 0, float(score[1, 0])),
+        (0, 3, float(score[0, 3])),
+        (1, 3, float(score[1, 3])),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_pairs_and_one_way_pairs_equal_a_python_sort_of_every_pair_with_many_ties(seed):
+    g = torch.Generator().manual_seed(seed)
+    size = 40
+    # Values on a coarse grid: many exact ties in the score, and in the gap that breaks them.
+    p = torch.randint(0, 6, (size, size), generator=g).double() / 5
+    counts = torch.randint(0, 4, (size, size), generator=g)
+    score = torch.randint(-3, 4, (size, size), generator=g).double()
+    score[0, :5] = float("nan")
+    for k in (0, 1, 3, 10, 50, size * size):
+        expected = sorted(
+            ((-float(score[a, b]), a * size + b) for a in range(size) for b in range(size) if counts[a, b] >= 2),
+            key=lambda item: item,
+        )
+        expected = [(i // size, i % size, -s) for s, i in expected if math.isfinite(s)][:k]
+        assert F.top_pairs(score, counts, k, min_support=2) == expected, k
+        one_way = []
+        for a in range(size):
+            for b in range(size):
+                forward, backward = float(p[a, b]), float(p[b, a])
+                if counts[a, b] >= 2 and counts[b, a] >= 2 and forward > backward:
+                    gap = forward - backward
+                    one_way.append((-(gap / (forward + backward)), -gap, a * size + b))
+        expected = [(i // size, i % size, -s) for s, _, i in sorted(one_way)][:k]
+        got = F.one_way_pairs(p, counts, k, min_support=2)
+        assert [(a, b) for a, b, _ in got] == [(a, b) for a, b, _ in expected], k
+        assert all(math.isclose(x[2], y[2], rel_tol=1e-12) for x, y in zip(got, expected, strict=True))
+
+
+def test_one_way_pairs_keeps_a_nan_score_first_and_k_must_not_be_negative():
+    inf = float("inf")
+    p = torch.tensor([[0.0, inf, 0.5], [1.0, 0.0, 0.2], [0.1, 0.1, 0.0]])  # (0, 1): inf / inf = NaN
+    counts = torch.ones(3, 3, dtype=torch.long)
+    (a, b, score), *rest = F.one_way_pairs(p, counts, k=1)
+    assert (a, b) == (0, 1) and math.isnan(score) and rest == []
+    assert [(a, b) for a, b, _ in F.one_way_pairs(p, counts, k=5)] == [(0, 1), (0, 2), (1, 2)]
+    with pytest.raises(ValueError, match="`k` to be a non-negative integer, but got -1"):
+        F.one_way_pairs(p, counts, k=-1)
+    with pytest.raises(ValueError, match="`k` to be a non-negative integer, but got -2"):
+        F.top_pairs(p, counts, k=-2)
