@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from typing_extensions import override
@@ -21,6 +20,7 @@ from attn_callbacks.config import Tokenizer, TokenSource
 from attn_callbacks.drift import DriftMemory
 from attn_callbacks.probe import Probe
 from attn_callbacks.report import Reporter
+from attn_callbacks.schedule import Schedule
 from attn_callbacks.streams import Streams
 from attn_callbacks.writer import export_epoch
 
@@ -102,6 +102,9 @@ class AttentionMonitor(Callback):
             scale across epochs, the largest value any monitored epoch has drawn under it so far (kept in
             checkpoints), so colours compare by eye from epoch to epoch once the scale has settled; images drawn
             before it last widened keep their narrower scale (every colour bar shows its numbers).
+        limit_batches: monitor only the first this many batches of each evaluation dataloader, then remove the
+            hooks (restoring the fused fast path) so the rest runs at full speed: the knob for large validation sets.
+            The loader must not shuffle (a warning says so), or drift compares different batches. None for all.
 
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view). Every argument can
@@ -151,6 +154,7 @@ class AttentionMonitor(Callback):
         tracked_ids: Sequence[int] | dict[str, Sequence[int]] | None = None,
         memory_budget: int | float | str | None = "1GiB",
         color_scale: Literal["epoch", "shared"] = "epoch",
+        limit_batches: int | None = None,
     ) -> None:
         self._streams = Streams(
             token_ids,
@@ -187,6 +191,8 @@ class AttentionMonitor(Callback):
         self.color_scale = config.check_choice("color_scale", color_scale, ("epoch", "shared"))
 
         self._sums = EpochSums(self.per_head, self.memory_budget)
+        self.limit_batches = None if limit_batches is None else config.positive_int("limit_batches", limit_batches)
+        self._schedule = Schedule(self.log_every_n_epochs, self.log_sanity_check, self.limit_batches)
         self._drift = DriftMemory(drift_reference_epoch, self.log_every_n_epochs)
         self._report = Reporter(
             self._streams,
@@ -204,8 +210,7 @@ class AttentionMonitor(Callback):
         self._capture: AttentionCapture | None = None
         self._dataloader_idx = 0
         self._stage_prefix = self.prefix  # f"{prefix}_test" while a test epoch is monitored
-        # Validation epochs of fit seen, which log_every_n_epochs counts; None: a checkpoint from before the count.
-        self._validation_epochs: int | None = 0
+        self._active = False  # this evaluation epoch is monitored (the hooks may be off for the batches past a limit)
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.
@@ -229,7 +234,6 @@ class AttentionMonitor(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(prefix=self.prefix, modules=self.modules)
 
-    # ----------------------------------------------------------------------------------------------- Lightning hooks
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Find the attention modules and decide their token streams; misconfiguration fails here, not mid-epoch."""
@@ -245,7 +249,7 @@ class AttentionMonitor(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._monitored(trainer):
+        if self._schedule.epoch(trainer):
             self._start(trainer, self.prefix)
 
     @override
@@ -261,7 +265,12 @@ class AttentionMonitor(Callback):
         self._sums.start_batch()
         self._probe.capturing = False
         self._dataloader_idx = dataloader_idx
-        if self._capture is not None and self._capture.attached:
+        if self._capture is None or not self._active:
+            return
+        if not self._schedule.batch(batch_idx):
+            self._capture.detach()  # past the limit: the rest of this loader runs with the fast path
+        else:
+            self._capture.attach()  # a no-op unless a new loader starts after a limit
             # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
             ids = {stream: self._streams.read(stream, pl_module.device)[2] for stream in self._streams.used()}
             first = batch_idx == 0 and dataloader_idx == 0 and not (trainer.sanity_checking or trainer.testing)
@@ -275,7 +284,7 @@ class AttentionMonitor(Callback):
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._capture is None or not self._capture.attached:
+        if not self._active:
             return
         drift_epoch = not (trainer.sanity_checking or trainer.testing)
         try:
@@ -320,7 +329,7 @@ class AttentionMonitor(Callback):
         return {
             "version": _STATE_VERSION,
             **self._drift.state_dict(),
-            "validation_epochs": self._validation_epochs,
+            "validation_epochs": self._schedule.validation_epochs,
             "probe_ids": self._probe.ids,
             "tracked_ids": dict(self._streams.tracked),
             "color_limits": dict(self._report.images.limits),
@@ -333,22 +342,10 @@ class AttentionMonitor(Callback):
                 f"AttentionMonitor: checkpoint state version {state_dict.get('version')!r} is not {_STATE_VERSION}"
             )
         self._drift.load_state_dict(state_dict)
-        self._validation_epochs = state_dict.get("validation_epochs")
+        self._schedule.validation_epochs = state_dict.get("validation_epochs")
         self._probe.ids = state_dict["probe_ids"]
         self._streams.load_tracked(state_dict.get("tracked_ids") or {})
         self._report.images.limits = dict(state_dict.get("color_limits") or {})
-
-    def _monitored(self, trainer: Trainer) -> bool:
-        if trainer.sanity_checking:
-            return self.log_sanity_check
-        if trainer.state.fn != TrainerFn.FITTING:
-            return True  # trainer.validate(): asked for explicitly, and not counted
-        if self._validation_epochs is None:
-            return trainer.current_epoch % self.log_every_n_epochs == 0
-        # Validation epochs, not training ones: with check_val_every_n_epoch = 2, say, validation runs after training
-        # epochs 1, 3, 5 ... only, and current_epoch % n could never be 0.
-        seen, self._validation_epochs = self._validation_epochs, self._validation_epochs + 1
-        return seen % self.log_every_n_epochs == 0
 
     def _shapes(self) -> dict[str, tuple[int, int, int]]:
         """Every module's ``(H, Vq, Vk)`` as accumulated (a stream still to be tracked counts with its limit)."""
@@ -370,8 +367,10 @@ class AttentionMonitor(Callback):
             self._streams.choose_tracked(loaders, limits, trainer.strategy)
             devices = {name: module_device(module) for name, module in self._attention.items()}
             self._sums.start(self._shapes(), devices, max(len(batches), 1))
+        self._schedule.check_loaders(loaders)
         self._probe.weights.clear()
         self._capture.attach()
+        self._active = True
 
     def _reset_sums(self) -> None:
         self._sums.reset()
@@ -380,6 +379,7 @@ class AttentionMonitor(Callback):
     def _release(self) -> None:
         """Detach the hooks and drop the batch; stop the image writer of a failed epoch end, if one runs."""
         self._report.painter.finish(raise_errors=False)
+        self._active = False
         if self._capture is not None:
             self._capture.detach()
         self._streams.end_batch()

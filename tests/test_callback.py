@@ -6,13 +6,14 @@ import math
 import pickle
 import signal
 from pathlib import Path, PurePosixPath
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 from _reference import accumulate_attention_reference, add_loop_sums, naive_js, spying
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from PIL import Image
@@ -332,7 +333,7 @@ def test_callback_validate_is_always_monitored_and_not_counted_and_old_checkpoin
     events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
     events.Reload()
     epochs = {e.step: e.value for e in events.Scalars("epoch")}
-    assert [epochs[e.step] for e in events.Scalars(layer)] == [0.0, 2.0] and monitor._validation_epochs == 3
+    assert [epochs[e.step] for e in events.Scalars(layer)] == [0.0, 2.0] and monitor._schedule.validation_epochs == 3
     # A checkpoint from before the count, resumed after epoch 2: training epochs % n, the rule it was saved under,
     # monitors epoch 4 (a count from 0 would monitor epoch 3).
     path = tmp_path / "old.ckpt"
@@ -1302,3 +1303,36 @@ def test_callback_drift_table_lists_the_most_moved_tokens_with_their_loop_js_aga
         against_previous = naive_js(now[a].tolist(), prev[a].tolist()) if prev_q[a] >= 2 else None
         assert (row[2] == "") if against_previous is None else abs(float(row[2]) - against_previous) < 1e-3
         assert int(row[5]) == int(now_q[a])
+
+
+def test_callback_limit_batches_unhooks_after_n_batches_and_sums_only_those(tmp_path):
+    seed_everything(0)
+    model = TinyEncoder().eval()
+    attn = model.encoder.layers[0].self_attn
+
+    class Spy(Callback):  # runs after the monitor's hook: what the batch's forward sees
+        seen: ClassVar[list] = []
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            hooks = len(attn._forward_hooks) + len(attn._forward_pre_hooks)
+            self.seen.append((batch_idx, hooks > 0, torch.backends.mha.get_fastpath_enabled()))
+
+    limited = Recorder(VOCAB, "input_ids", ignore_ids=[PAD], limit_batches=2)
+    val = DataLoader(make_batches(seed=1), batch_size=1, collate_fn=collate)
+    trainer(tmp_path, [limited, Spy()]).validate(model, val)
+    assert [hooked for _, hooked, _ in Spy.seen] == [True, True, False, False]
+    assert [fast for _, _, fast in Spy.seen] == [False, False, True, True]
+    assert torch.backends.mha.get_fastpath_enabled() and not attn._forward_hooks and not attn._forward_pre_hooks
+
+    alone = Recorder(VOCAB, "input_ids", ignore_ids=[PAD])
+    first = DataLoader(make_batches(seed=1)[:2], batch_size=1, collate_fn=collate)
+    trainer(tmp_path, [alone]).validate(model, first)
+    for name, stats in alone.last.items():
+        for field in SUM_FIELDS:
+            assert torch.equal(getattr(limited.last[name], field), getattr(stats, field)), (name, field)
+
+    shuffled = DataLoader(make_batches(seed=1), batch_size=1, collate_fn=collate, shuffle=True)
+    with pytest.warns(UserWarning, match="`limit_batches`=2 watches the first batches of a validation loader that"):
+        trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", limit_batches=2)]).validate(model, shuffled)
+    with pytest.raises(ValueError, match="`limit_batches` to be a positive integer, but got 0"):
+        AttentionMonitor(VOCAB, "input_ids", limit_batches=0)
