@@ -279,8 +279,7 @@ class AttentionMonitor(Callback):
 
     @override
     def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:  # (trainer, pl_module, outputs, batch, ...)
-        self._streams.end_batch()
-        self._probe.capturing = False
+        self._streams.end_batch()  # and with it, the probe's capture: a call outside a batch is refused
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -289,6 +288,7 @@ class AttentionMonitor(Callback):
         drift_epoch = not (trainer.sanity_checking or trainer.testing)
         try:
             if self._probe.own_batch and drift_epoch:
+                self._capture.attach()  # detached after `limit_batches`
                 self._probe.run(pl_module, self._streams)
         finally:
             self._release()
