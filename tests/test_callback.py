@@ -347,7 +347,7 @@ def test_callback_validate_is_always_monitored_and_not_counted_and_old_checkpoin
     events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
     events.Reload()
     epochs = {e.step: e.value for e in events.Scalars("epoch")}
-    assert [epochs[e.step] for e in events.Scalars(layer)] == [4.0] and resumed._validation_epochs is None
+    assert [epochs[e.step] for e in events.Scalars(layer)] == [4.0] and resumed._schedule.validation_epochs is None
 
 
 class Seq2Seq(LightningModule):
