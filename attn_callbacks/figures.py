@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import QuadMesh
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 __all__ = ["FigureCache", "abs_max", "head_grid", "heatmap"]
 
@@ -26,6 +28,7 @@ _COLORBAR = 1.2  # inches right of the panels for the colour bar, its tick label
 _BAR_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the colour bar is marked, as fractions of its height
 _BAR_FONT = 8
 _BAR_GID = "colour bar number"  # marks the colour bar's numbers, which FigureCache redraws
+_TITLE_GID = "figure title"  # marks the title (it names the layer), which FigureCache redraws
 
 
 def _font_size(rows: int, cols: int) -> int:
@@ -190,7 +193,7 @@ def heatmap(
     limit = abs_max(matrix) if vmax is None else vmax
     ax = figure.add_axes(panels[0][0])
     _draw(ax, matrix, row_labels, col_labels, diverging, limit, size)
-    ax.set_title(title, fontsize=9, loc="left")
+    ax.set_title(title, fontsize=9, loc="left", gid=_TITLE_GID)
     _colorbar(figure, colorbar, colorbar_label, limit, diverging)
     return figure
 
@@ -235,31 +238,33 @@ def head_grid(
         rows = row_labels if c == 0 else None
         _draw(ax, matrices[h], rows, col_labels if bottom_of_column else None, diverging, limit, size)
         ax.set_title(titles[h], fontsize=9)
-    figure.suptitle(title, fontsize=10, x=0.02, ha="left", y=1 - 0.1 / figure.get_figheight(), va="top")
+    figure.suptitle(title, fontsize=10, x=0.02, ha="left", y=1 - 0.1 / figure.get_figheight(), va="top", gid=_TITLE_GID)
     _colorbar(figure, colorbar, colorbar_label, limit, diverging)
     return figure
 
 
 class FigureCache:
-    """Renders heatmaps to RGB arrays, reusing each tag's figure while its labels and titles stay the same.
+    """Renders heatmaps to RGB arrays, reusing a figure for every render of the same layout.
 
-    The first render of a tag draws the whole figure and keeps the pixels of everything but the colour cells and the
-    colour bar's numbers (tick labels and titles are most of matplotlib's drawing time). Later renders with the same
-    layout only set the new data and colour scale and redraw those parts on top: the pixels equal a fresh render's.
+    The first render of a layout (figure size, labels, panel titles, colour map) draws the whole figure and keeps the
+    pixels of everything but the colour cells, the colour bar's numbers and the title. Later renders of that layout,
+    for any tag, only set the new data, colour scale and title and redraw those parts on top: the pixels equal a fresh
+    render's. Tick labels are most of matplotlib's drawing time, so the heatmaps of every layer of a model (the same
+    tokens on their axes, another title) cost one full drawing, not one each.
 
     Args:
-        max_bytes: the most memory the kept figures may take (two RGBA buffers each); tags beyond it are drawn from
-            scratch every time.
+        max_bytes: the most memory the kept figures may take (two RGBA buffers each); the least recently used layouts
+            are dropped to stay under it.
     """
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
         self.max_bytes = max_bytes
-        self._entries: dict[str, tuple[tuple, Figure, FigureCanvasAgg, list, Any, Any]] = {}
-        self._bytes: dict[str, int] = {}
+        # layout -> (figure, canvas, meshes, numbers, title, background), least recently used first
+        self._entries: OrderedDict[tuple, tuple[Figure, FigureCanvasAgg, list, list, Any, Any]] = OrderedDict()
+        self._bytes: dict[tuple, int] = {}
 
     def heatmap(
         self,
-        tag: str,
         matrix: np.ndarray,
         row_labels: Sequence[str],
         col_labels: Sequence[str],
@@ -272,11 +277,12 @@ class FigureCache:
         """:func:`heatmap` of ``matrix`` as an ``(H, W, 3)`` uint8 array (``(H, W, 4)`` with an opaque alpha channel
         when ``alpha``: a plain copy of the canvas, many times faster than leaving the channel out; :func:`png_bytes`
         drops it)."""
-        layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), title, colorbar_label, diverging)
+        # The title's length, not its text: it sets the figure's width.
+        layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), len(title), colorbar_label, diverging)
         limit = abs_max(matrix) if vmax is None else vmax
         return self._render(
-            tag,
             layout,
+            title,
             [matrix],
             limit,
             diverging,
@@ -286,7 +292,6 @@ class FigureCache:
 
     def head_grid(
         self,
-        tag: str,
         matrices: np.ndarray,
         row_labels: Sequence[str],
         col_labels: Sequence[str],
@@ -304,15 +309,15 @@ class FigureCache:
             matrices.shape,
             tuple(row_labels),
             tuple(col_labels),
-            title,
+            len(title),
             colorbar_label,
             tuple(titles or ()),
             diverging,
         )
         limit = abs_max(matrices) if vmax is None else vmax
         return self._render(
-            tag,
             layout,
+            title,
             list(matrices),
             limit,
             diverging,
@@ -322,44 +327,47 @@ class FigureCache:
 
     def _render(
         self,
-        tag: str,
         layout: tuple,
+        title: str,
         panels: list[np.ndarray],
         limit: float,
         diverging: bool,
         build: Callable,
         alpha: bool = False,
     ) -> np.ndarray:
-        entry = self._entries.get(tag)
-        if entry is None or entry[0] != layout:
+        entry = self._entries.get(layout)
+        if entry is None:
             figure = build()
             numbers = [text for text in figure.axes[-1].texts if text.get_gid() == _BAR_GID]  # the colour bar's
+            heading = next(text for text in figure.findobj(Text) if text.get_gid() == _TITLE_GID)
             meshes = [mesh for ax in figure.axes[:-1] for mesh in ax.collections if isinstance(mesh, QuadMesh)]
             spines = [spine for mesh in meshes for spine in mesh.axes.spines.values()]
-            for artist in [*meshes, *spines, *numbers]:
+            for artist in [*meshes, *spines, *numbers, heading]:
                 artist.set_animated(True)  # left out of the full draw: the kept background has no data in it
             canvas = FigureCanvasAgg(figure)
             canvas.draw()
-            entry = (layout, figure, canvas, meshes, numbers, canvas.copy_from_bbox(figure.bbox))
-            self._entries.pop(tag, None)
-            self._bytes.pop(tag, None)
+            entry = (figure, canvas, meshes, numbers, heading, canvas.copy_from_bbox(figure.bbox))
             cost = 2 * 4 * int(figure.bbox.width) * int(figure.bbox.height)  # canvas and background, RGBA
-            if sum(self._bytes.values()) + cost <= self.max_bytes:
-                self._entries[tag], self._bytes[tag] = entry, cost
+            while self._entries and sum(self._bytes.values()) + cost > self.max_bytes:
+                del self._bytes[self._entries.popitem(last=False)[0]]
+            if cost <= self.max_bytes:
+                self._entries[layout], self._bytes[layout] = entry, cost
         else:
-            _, figure, canvas, meshes, numbers, background = entry
+            self._entries.move_to_end(layout)
+            figure, canvas, meshes, numbers, heading, background = entry
             for mesh, matrix in zip(meshes, panels, strict=True):
                 mesh.set_array(matrix)
                 mesh.set_clim(-limit if diverging else 0.0, limit)
             for text, number in zip(numbers, _bar_labels(limit, diverging), strict=True):
                 text.set_text(number)
+            heading.set_text(title)
             canvas.restore_region(background)
-        _, figure, canvas, meshes, numbers, _ = entry
+        figure, canvas, meshes, numbers, heading, _ = entry
         for mesh in meshes:
             figure.draw_artist(mesh)
             for spine in mesh.axes.spines.values():  # the frame goes over the cells, as in a full draw
                 figure.draw_artist(spine)
-        for text in numbers:
+        for text in [*numbers, heading]:
             figure.draw_artist(text)
         pixels = np.asarray(canvas.buffer_rgba())  # (H, W, 4), the canvas' own buffer: copied before it is reused
         return pixels.copy() if alpha else pixels[..., :3].copy()

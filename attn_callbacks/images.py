@@ -70,7 +70,6 @@ class Images:
             name = tag.format(family=family)
             matrix = shown.float().cpu().numpy()
             images[name] = self.figures.heatmap(
-                name + suffix,
                 matrix,
                 row_labels,
                 col_labels,
@@ -87,7 +86,6 @@ class Images:
             name = tag.format(family="mass_heads")
             matrices = mass_heads[:, rows][:, :, cols].float().cpu().numpy()
             images[name] = self.figures.head_grid(
-                name + suffix,
                 matrices,
                 row_labels,
                 col_labels,
@@ -135,7 +133,6 @@ class Images:
             panels = torch.cat([per_head.mean(dim=0, keepdim=True), per_head]).numpy()
             name = f"{tag}/sample_{sample}"
             images[name] = self.figures.head_grid(
-                name,
                 panels,
                 q_labels,
                 k_labels,

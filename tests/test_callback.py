@@ -980,16 +980,16 @@ def test_callback_heatmaps_and_tables_show_tokens_not_the_other_bucket(tmp_path)
     drawn = []
     heatmap = monitor._report.images.figures.heatmap
 
-    def record(tag, matrix, row_labels, col_labels, *args, **kwargs):
-        drawn.append((tag, list(row_labels), list(col_labels)))
-        return heatmap(tag, matrix, row_labels, col_labels, *args, **kwargs)
+    def record(matrix, row_labels, col_labels, *args, **kwargs):
+        drawn.append((list(row_labels), list(col_labels)))
+        return heatmap(matrix, row_labels, col_labels, *args, **kwargs)
 
     monitor._report.images.figures.heatmap = record
     train, val = loaders()
     t = trainer(tmp_path, [monitor], num_sanity_val_steps=0)
     t.fit(TinyEncoder(), train, val)
     tracked = [str(i) for i in monitor._streams.tracked["tokens"].tolist()]
-    assert drawn and all(rows == cols == tracked for _, rows, cols in drawn)  # every token shown, no <other>
+    assert drawn and all(rows == cols == tracked for rows, cols in drawn)  # every token shown, no <other>
     events = EventAccumulator(t.logger.log_dir, size_guidance={TENSORS: 0})
     events.Reload()
     tables = [tag for tag in events.Tags()["tensors"] if tag.endswith("/text_summary")]

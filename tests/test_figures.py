@@ -52,32 +52,43 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_me
     cache = figures.FigureCache()
     first, second = rng.random((12, 12)), 3 * rng.random((12, 12))
     assert np.array_equal(
-        cache.heatmap("m", first, labels, labels, "T", "P"),
+        cache.heatmap(first, labels, labels, "T", "P"),
         figure_to_array(figures.heatmap(first, labels, labels, "T", "P")),
     )
-    again = cache.heatmap("m", second, labels, labels, "T", "P")  # reused figure, new data and colour scale
+    again = cache.heatmap(second, labels, labels, "T", "P")  # reused figure, new data and colour scale
     assert np.array_equal(again, figure_to_array(figures.heatmap(second, labels, labels, "T", "P")))
+    # another layer's map (same tokens, another title of the same length): the same figure, its own title
+    other_layer = cache.heatmap(second, labels, labels, "U", "P")
+    assert np.array_equal(other_layer, figure_to_array(figures.heatmap(second, labels, labels, "U", "P")))
+    assert not np.array_equal(other_layer, again) and len(cache._entries) == 1
     diverging = rng.standard_normal((12, 12))
     diverging[0, 0] = np.nan
-    cache.heatmap("d", -diverging, labels, labels, "T", "P", diverging=True)
+    cache.heatmap(-diverging, labels, labels, "T", "P", diverging=True)
     assert np.array_equal(
-        cache.heatmap("d", diverging, labels, labels, "T", "P", diverging=True),
+        cache.heatmap(diverging, labels, labels, "T", "P", diverging=True),
         figure_to_array(figures.heatmap(diverging, labels, labels, "T", "P", diverging=True)),
     )
     heads = rng.random((3, 12, 12))
-    cache.head_grid("g", heads[::-1], labels, labels, "G", "P")
+    cache.head_grid(heads[::-1], labels, labels, "G", "P")
     assert np.array_equal(
-        cache.head_grid("g", heads, labels, labels, "G", "P"),
-        figure_to_array(figures.head_grid(heads, labels, labels, "G", "P")),
+        cache.head_grid(heads, labels, labels, "H", "P"),
+        figure_to_array(figures.head_grid(heads, labels, labels, "H", "P")),
     )
-    # new labels: a new figure for the tag
-    other = cache.heatmap("m", first, labels[::-1], labels, "T", "P")
+    # new labels: a new figure
+    other = cache.heatmap(first, labels[::-1], labels, "T", "P")
     assert np.array_equal(other, figure_to_array(figures.heatmap(first, labels[::-1], labels, "T", "P")))
-    assert len(cache._entries) == 3
+    assert len(cache._entries) == 4
+    # a cap that holds two of these figures keeps the two used last
+    cost = cache._bytes[next(layout for layout in cache._entries if layout[2] == tuple(labels[::-1]))]
+    small = figures.FigureCache(max_bytes=2 * cost)
+    for rows in (labels, labels[::-1], labels[1:] + labels[:1]):
+        small.heatmap(first, rows, labels, "T", "P")
+    assert [layout[2] for layout in small._entries] == [tuple(labels[::-1]), tuple(labels[1:] + labels[:1])]
+    assert sum(small._bytes.values()) <= 2 * cost
     tiny = figures.FigureCache(max_bytes=0)  # nothing kept, still drawn right
-    assert np.array_equal(tiny.heatmap("m", second, labels, labels, "T", "P"), again) and not tiny._entries
+    assert np.array_equal(tiny.heatmap(second, labels, labels, "T", "P"), again) and not tiny._entries
     # alpha=True: the same pixels with the canvas' opaque alpha channel, which PNG encoding drops
-    with_alpha = cache.heatmap("m", second, labels, labels, "T", "P", alpha=True)
+    with_alpha = cache.heatmap(second, labels, labels, "T", "P", alpha=True)
     assert with_alpha.shape == (*again.shape[:2], 4) and (with_alpha[..., 3] == 255).all()
     assert np.array_equal(with_alpha[..., :3], again)
     decoded = np.asarray(Image.open(io.BytesIO(png_bytes(with_alpha))))
@@ -135,8 +146,8 @@ def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
     assert np.array_equal(pixels_a[row, col], pixels_b[row, col])  # same value, same colour
     assert not np.array_equal(pixels_a[row, col + 40], pixels_b[row, col + 40])  # 0.2 vs 0.8
     cache = figures.FigureCache()
-    cache.heatmap("m", large, labels, labels, "T", "P", vmax=2.0)
-    again = cache.heatmap("m", small, labels, labels, "T", "P", vmax=1.0)
+    cache.heatmap(large, labels, labels, "T", "P", vmax=2.0)
+    again = cache.heatmap(small, labels, labels, "T", "P", vmax=1.0)
     assert np.array_equal(again, pixels_a)
     grid = figures.head_grid(np.stack([small, large]), labels, labels, "G", "P", vmax=3.0)
     assert all(ax.collections[0].get_clim() == (0.0, 3.0) for ax in grid.axes[:2])
