@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from attn_callbacks.config import format_bytes
-from attn_callbacks.kernels import POSITION_STATS, accumulate_attention, pair_index
+from attn_callbacks.kernels import POSITION_STATS, accumulate_attention, pair_index, uses_numba
 from attn_callbacks.summary import attention_mass, mean_weight
 from attn_callbacks.summed_metric import SummedMetric
 
@@ -159,14 +159,15 @@ class AttentionAccumulator(SummedMetric):
         queries and keys (ids in ``[0, Vq)`` / ``[0, Vk)`` at valid positions).
 
         ``pairs`` is :func:`attn_callbacks.functional.pair_index` of the ids, when the caller already has it (it
-        depends on the ids only, so modules reading the same streams can share it).
+        depends on the ids only, so modules reading the same streams can share it). The numba kernel (on CPU, see
+        :func:`attn_callbacks.kernels.uses_numba`) reads the ids instead and needs none.
         """
         if self.summed_in_place:
             raise RuntimeError(
                 "AttentionAccumulator.update: the state holds every process's sums (stats(in_place=True)); adding to "
                 "it would count them again. reset() first"
             )
-        if pairs is None:
+        if pairs is None and not uses_numba(weights.device):
             pairs = pair_index(query_ids, key_ids, query_valid, key_valid, self.query_vocab_size, self.key_vocab_size)
         skipped = accumulate_attention(
             self.sums,
@@ -178,6 +179,7 @@ class AttentionAccumulator(SummedMetric):
             query_ids,
             query_valid,
             key_valid,
+            key_ids=key_ids,
         )
         self.skipped_rows += skipped
 
@@ -325,11 +327,14 @@ class EpochSums:
             )
         self._calls.add(name)
         metric = self.metrics[(name, dataloader_idx)]
-        # The pair index depends on the ids only: one per batch for all modules reading the same streams.
-        pairs = self._pairs.get(streams)
-        if pairs is None or pairs.device != weights.device:
-            pairs = pair_index(query[0], key[0], query[1], key[1], metric.query_vocab_size, metric.key_vocab_size)
-            self._pairs[streams] = pairs
+        # The pair index depends on the ids only: one per batch for all modules reading the same streams. The numba
+        # kernel reads the ids themselves and needs none.
+        pairs = None
+        if not uses_numba(weights.device):
+            pairs = self._pairs.get(streams)
+            if pairs is None or pairs.device != weights.device:
+                pairs = pair_index(query[0], key[0], query[1], key[1], metric.query_vocab_size, metric.key_vocab_size)
+                self._pairs[streams] = pairs
         metric.update(weights, query[0], key[0], query[1], key[1], pairs=pairs)
 
     def collect(self) -> tuple[dict[tuple[str, int], AttentionStats], dict[str, AttentionStats]]:

@@ -8,12 +8,23 @@ pairs and ``Q[a]`` (query count) the valid query positions holding ``a``. Rows a
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
+
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from attn_callbacks.blocks import x_log_x
 
-__all__ = ["POSITION_STATS", "accumulate_attention", "pair_index", "weights_plogp"]
+__all__ = [
+    "POSITION_STATS",
+    "accumulate_attention",
+    "accumulate_attention_torch",
+    "pair_index",
+    "uses_numba",
+    "weights_plogp",
+]
 
 #: Rows of the ``position_sums`` state, each a per-head sum over valid query rows ``i`` (weights ``w`` restricted to
 #: valid keys ``j``): the entropy of the row renormalised over the valid keys; its maximum ``log #visible keys``; mass
@@ -55,6 +66,44 @@ def pair_index(
     return torch.where(query_valid[:, :, None] & key_valid[:, None, :], flat, query_vocab_size * key_vocab_size)
 
 
+#: Set to ``0`` to run the torch code on CPU too, instead of the numba kernel (read at every call).
+NUMBA_SWITCH = "ATTN_CALLBACKS_NUMBA"
+
+# What the lazy import of the numba kernels gave: the module, or None after a failure (warned about once).
+_NUMBA: dict[str, ModuleType | None] = {}
+
+
+def _import_numba_kernels() -> ModuleType:
+    """Import :mod:`attn_callbacks.numba_kernels` (and numba with it): on the first CPU batch, not at package import,
+    which stays fast and works without numba."""
+    from attn_callbacks import numba_kernels
+
+    return numba_kernels
+
+
+def _numba_kernels() -> ModuleType | None:
+    """The numba kernels, or None when numba cannot be imported (one warning per process, then the torch path)."""
+    if "module" not in _NUMBA:
+        try:
+            _NUMBA["module"] = _import_numba_kernels()
+        except (ImportError, OSError) as error:  # OSError: llvmlite's shared library failing to load
+            _NUMBA["module"] = None
+            rank_zero_warn(
+                f"attn_callbacks: numba is unavailable ({type(error).__name__}: {error}); accumulating attention on "
+                f"CPU with the slower torch code instead. Install numba, or set {NUMBA_SWITCH}=0 to choose the torch "
+                "code and silence this warning."
+            )
+    return _NUMBA["module"]
+
+
+def uses_numba(device: torch.device | str) -> bool:
+    """Whether work on ``device`` runs the numba kernels: a CPU device, numba importable, and the environment variable
+    ``ATTN_CALLBACKS_NUMBA`` not ``0``. Callers skip what only the torch path needs (:func:`pair_index`)."""
+    if torch.device(device).type != "cpu" or os.environ.get(NUMBA_SWITCH, "").strip() == "0":
+        return False
+    return _numba_kernels() is not None
+
+
 # Bytes of weights the CPU path works on at a time: a chunk stays in cache between its passes. 8 MB measured 3-20 %
 # faster per update than 1-2 MB on the reference workload and others (L3-sized, fewer calls); 64 MB slower.
 _CPU_CHUNK_BYTES = 8 << 20
@@ -66,23 +115,25 @@ def accumulate_attention(
     query_count: Tensor,
     position_sums: Tensor,
     weights: Tensor,
-    pairs: Tensor,
+    pairs: Tensor | None,
     query_ids: Tensor,
     query_valid: Tensor,
     key_valid: Tensor,
+    *,
+    key_ids: Tensor | None = None,
 ) -> Tensor:
     """The fast path: add one batch to packed running sums, in place, without a host sync; deterministic on CPU.
 
     Computes exactly what :func:`accumulate_attention_reference` computes (``S``, ``U``, ``C``, ``Q`` and the position
     sums; a valid query row with a non-finite weight in any head, or with no positive weight at all, is dropped and
-    counted), on a packed layout:
+    counted), on a packed layout: ``sums[:H]`` is ``S`` and ``sums[H]`` is ``U``, each a flat ``Vq * Vk`` plane plus
+    the discard cell, so one index (from :func:`pair_index`, shared by every module reading the same streams) serves
+    every head, ``U`` and ``C``, and ignored pairs need no masking pass.
 
-    - ``sums[:H]`` is ``S`` and ``sums[H]`` is ``U``, each a flat ``Vq * Vk`` plane plus the discard cell, so one
-      index (from :func:`pair_index`, shared by every module reading the same streams) serves every head, ``U`` and
-      ``C``, and ignored pairs need no masking pass;
-    - on CPU the batch is processed a few samples at a time so that each chunk of weights stays in cache across its
-      passes (the scatter, the row sums, ``Σ w log w`` and the distance); position sums are batched matrix-vector
-      products rather than element-wise temporaries. On GPU the whole batch is one chunk.
+    On CPU (see :func:`uses_numba`) the numba kernel of :mod:`attn_callbacks.numba_kernels` runs: one read of the
+    weights, on ``min(numba, torch)`` threads. It reads the key ids, not the pair index: pass ``key_ids`` and
+    ``pairs=None`` there (without ``key_ids`` it recovers them from ``pairs``). Elsewhere, or with numba switched off
+    or missing, :func:`accumulate_attention_torch` runs, from ``pairs`` (computed from ``key_ids`` when None).
 
     Args:
         sums: ``(H + 1, Vq * Vk + 1)`` float accumulator: ``S`` per head, then ``U``; the last column is discarded.
@@ -91,13 +142,72 @@ def accumulate_attention(
         query_count: ``(Vq + 1,)`` integer accumulator ``Q`` plus a discard cell.
         position_sums: ``(len(POSITION_STATS), H)`` float accumulator.
         weights: ``(B, H, Lq, Lk)`` per-head attention weights.
-        pairs: ``(B, Lq, Lk)`` from :func:`pair_index`.
+        pairs: ``(B, Lq, Lk)`` from :func:`pair_index`, or None with ``key_ids``.
         query_ids: ``(B, Lq)`` integer ids in ``[0, Vq)`` at valid positions.
         query_valid: ``(B, Lq)`` bool.
         key_valid: ``(B, Lk)`` bool.
+        key_ids: ``(B, Lk)`` integer ids in ``[0, Vk)`` at valid positions, or None with ``pairs``.
 
     Returns:
         A 0-dim int64 tensor: the number of valid query rows dropped for non-finite or all-zero weights.
+
+    Raises:
+        ValueError: ``pairs`` and ``key_ids`` both None; or on the numba path, an id out of range at a valid position
+            (the torch path raises an IndexError from ``index_add_``, or adds an id just past ``Vk`` to the next row).
+    """
+    vocab_q = query_count.numel() - 1
+    vocab_k = (pair_count.numel() - 1) // max(vocab_q, 1)
+    if (
+        weights.numel() > 0  # an empty batch: nothing to gain, and the torch path's edge cases hold
+        and sums.dtype in (torch.float32, torch.float64)
+        and pair_count.dtype == query_count.dtype == torch.int64
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (sums, pair_count, query_count))
+        and uses_numba(weights.device)
+    ):
+        if key_ids is None:
+            if pairs is None:
+                raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
+            key_ids = _key_ids_from_pairs(pairs, query_ids, query_valid, key_valid, vocab_k)
+        kernels = _numba_kernels()
+        assert kernels is not None  # uses_numba
+        return kernels.accumulate_attention_numba(
+            sums, pair_count, query_count, position_sums, weights, query_ids, key_ids, query_valid, key_valid
+        )
+    if pairs is None:
+        if key_ids is None:
+            raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
+        pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, vocab_k)
+    return accumulate_attention_torch(
+        sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid
+    )
+
+
+def _key_ids_from_pairs(pairs: Tensor, query_ids: Tensor, query_valid: Tensor, key_valid: Tensor, vocab_k: int):
+    """Key ids back from a pair index: ``pairs[n, i, j] - a * Vk`` at a valid query row ``i`` (holding ``a``) of each
+    sample; 0 in samples without one, whose keys pair with nothing."""
+    first = query_valid.long().argmax(dim=1)  # (B,): the first valid query row (0 when there is none)
+    rows = pairs.gather(1, first[:, None, None].expand(-1, 1, pairs.shape[2]))[:, 0]  # (B, Lk)
+    ids = rows - query_ids.long().gather(1, first[:, None]) * vocab_k
+    return torch.where(query_valid.any(dim=1)[:, None] & key_valid, ids, 0)
+
+
+def accumulate_attention_torch(
+    sums: Tensor,
+    pair_count: Tensor,
+    query_count: Tensor,
+    position_sums: Tensor,
+    weights: Tensor,
+    pairs: Tensor,
+    query_ids: Tensor,
+    query_valid: Tensor,
+    key_valid: Tensor,
+) -> Tensor:
+    """The torch code of :func:`accumulate_attention` (same arguments, ``pairs`` required): the GPU path, the CPU path
+    without numba, and the reference the numba kernel is tested against.
+
+    On CPU the batch is processed a few samples at a time so that each chunk of weights stays in cache across its
+    passes (the scatter, the row sums, ``Σ w log w`` and the distance); position sums are batched matrix-vector
+    products rather than element-wise temporaries. On GPU the whole batch is one chunk.
     """
     batch, num_heads, len_q, len_k = weights.shape
     dtype = sums.dtype

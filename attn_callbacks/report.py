@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from attn_callbacks.accumulate import AttentionStats
-from attn_callbacks.drift import DriftMemory, head_mean
+from attn_callbacks.drift import DriftMemory
 from attn_callbacks.images import Images
 from attn_callbacks.probe import Probe
 from attn_callbacks.streams import Streams
@@ -152,7 +152,9 @@ class Reporter:
             reference=reference,
             min_support=self.min_support,
         )
-        mass, sum_mean = head_mean(mass_heads), head_mean(stats.attention_sum)
+        # mean_h S = Q mean_h P: a pass over one V × V matrix instead of every head's.
+        mass = summary.mean_mass
+        sum_mean = mass * stats.query_count[:, None].to(mass.dtype)
         if derived is not None:
             derived[name] = {"row_plogp": summary.plogp_heads.cpu(), "mean_mass": mass.cpu()}
         log_layer(pl_module, {f"{prefix}_{key}/{layer}{suffix}": value for key, value in summary.layer.items()})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -311,11 +312,23 @@ class ModuleSummary:
     heads: dict[str, Tensor] = field(default_factory=dict)
     drifts: dict[str, Drift] = field(default_factory=dict)  # "prev" / "ref"
     plogp_heads: Tensor | None = None  # row_plogp of P per head, (H, Vq)
+    mean_mass: Tensor | None = None  # mean_h P, (Vq, Vk)
 
     def add(self, name: str, layer: Tensor, heads: Tensor | None = None) -> None:
         self.layer[name] = layer
         if heads is not None:
             self.heads[name] = heads
+
+
+def _row_pass(mass_heads: Tensor) -> Any:
+    """:mod:`attn_callbacks.summary_kernels` where it serves ``P`` (float32 on the CPU, numba running), else None."""
+    from attn_callbacks.kernels import uses_numba
+
+    if mass_heads.dtype != torch.float32 or not uses_numba(mass_heads.device):
+        return None
+    from attn_callbacks import summary_kernels  # imports numba: only once it is known to work
+
+    return summary_kernels
 
 
 def summarize(
@@ -351,26 +364,45 @@ def summarize(
     """
     out = ModuleSummary()
     out.add("skipped_rows", skipped_rows.float())
-    mass, sum_mean = head_mean(mass_heads), head_mean(attention_sum)  # P̄ = mean_h S[h] / Q = mean_h P[h]
-    # Σ p log p of every row, (H, Vq) and (Vq,): shared by the entropy, the lift and every drift comparison.
-    plogp_heads, plogp = row_plogp(mass_heads), row_plogp(mass)
-    out.plogp_heads = plogp_heads
+    earlier = {id(then.attention_mass): then for then in (previous, reference) if then is not None}
+    fast = _row_pass(mass_heads)
+    if fast is not None:  # one fused pass over the rows (numba, CPU)
+        rows = fast.row_pass(mass_heads, query_count, uniform_sum, list(earlier.values()), min_support)
+        mass, plogp_heads, plogp = rows.mean_mass, rows.plogp[:-1], rows.plogp[-1]
+        lift_layer, lift_heads = rows.lift[-1], rows.lift[:-1]
+        compared = {
+            key: Drift(
+                rows.js[k, -1], rows.frobenius[k, -1], rows.rows_js[k, -1], rows.js[k, :-1], rows.frobenius[k, :-1]
+            )
+            for k, key in enumerate(earlier)
+        }
+    else:
+        mass, sum_mean = head_mean(mass_heads), head_mean(attention_sum)  # P̄ = mean_h S[h] / Q = mean_h P[h]
+        # Σ p log p of every row, (H, Vq) and (Vq,): shared by the entropy, the lift and every drift comparison.
+        plogp_heads, plogp = row_plogp(mass_heads), row_plogp(mass)
+        lift_layer, lift_heads = (
+            mean_lift(sum_mean, uniform_sum, plogp),
+            mean_lift(attention_sum, uniform_sum, plogp_heads),
+        )
+        compared = {
+            key: drift_between(mass_heads, query_count, then, min_support, plogp_heads) for key, then in earlier.items()
+        }
+    out.plogp_heads, out.mean_mass = plogp_heads, mass
     out.add("entropy", row_entropy(mass, query_count, plogp), row_entropy(mass_heads, query_count, plogp_heads))
     if square:
-        out.add("asymmetry", asymmetry_index(mass), asymmetry_index(mass_heads))
-    out.add("lift", mean_lift(sum_mean, uniform_sum, plogp), mean_lift(attention_sum, uniform_sum, plogp_heads))
+        if fast is not None:
+            out.add("asymmetry", fast.asymmetry(mass[None])[0], fast.asymmetry(mass_heads))
+        else:
+            out.add("asymmetry", asymmetry_index(mass), asymmetry_index(mass_heads))
+    out.add("lift", lift_layer, lift_heads)
     for stat, values in position_statistics(position_sums, query_count).items():
         out.add(f"position/{stat}", values.mean(), values)
     if sink_ids:
         sinks = sink_mass(attention_sum, query_count, torch.tensor(list(sink_ids), device=mass.device))
         out.add("position/sink_mass", sinks.mean(), sinks)
-    drifts: dict[int, Drift] = {}
     for which, then in (("prev", previous), ("ref", reference)):
-        if then is None:
-            continue
-        if id(then.attention_mass) not in drifts:  # the previous epoch is often the reference too: compare once
-            drifts[id(then.attention_mass)] = drift_between(mass_heads, query_count, then, min_support, plogp_heads)
-        drift = out.drifts[which] = drifts[id(then.attention_mass)]
-        out.add(f"drift/js_{which}", drift.js, drift.js_heads)
-        out.add(f"drift/frobenius_{which}", drift.frobenius, drift.frobenius_heads)
+        if then is not None:  # the previous epoch is often the reference too: compared once
+            drift = out.drifts[which] = compared[id(then.attention_mass)]
+            out.add(f"drift/js_{which}", drift.js, drift.js_heads)
+            out.add(f"drift/frobenius_{which}", drift.frobenius, drift.frobenius_heads)
     return out

@@ -66,9 +66,11 @@ def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int =
     seen = pair_count >= min_support
     support = seen & seen.T  # a transposed read of bools, not of the int64 counts: several times faster on CPU
     # A > 0 iff P[a, b] > P[b, a]: only those cells are candidates, usually a small share of V².
-    candidates = (support & (matrix > matrix.T)).reshape(-1).nonzero()[:, 0]  # ascending flat index
-    forward = matrix.reshape(-1)[candidates]
-    backward = matrix.T.reshape(-1)[candidates]
+    # (a, b) in row-major order, i.e. by ascending flat index; read in place (``matrix`` is often a slice of a larger
+    # matrix, which a flat view would first copy whole).
+    rows, cols = (support & (matrix > matrix.T)).nonzero().unbind(dim=1)
+    candidates = rows * size + cols
+    forward, backward = matrix[rows, cols], matrix[cols, rows]
     gap = forward - backward
     score = gap / (forward + backward)
     score, candidates, gap = _at_least_kth(score, k, candidates, gap)

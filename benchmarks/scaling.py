@@ -2,9 +2,11 @@
 
     python benchmarks/scaling.py
 
-Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast path the callback runs) on softmax
-weights with Zipf(1) token ids, median of 5 after a warm-up. ``ns/weight`` divides by the B·H·L² weights read: flat
-down a column means the cost is linear in B·H·L²; flat across the vocabulary block means V only costs memory.
+Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast path the callback runs: the numba
+kernel on CPU, where numba runs) on softmax weights with Zipf(1) token ids, median of 5 after a warm-up. ``ns/weight``
+divides by the B·H·L² weights read: flat down a column means the cost is linear in B·H·L²; flat across the vocabulary
+block means V only costs memory. A last section times the numba kernel against the torch code
+(:func:`attn_callbacks.kernels.accumulate_attention_torch`, with its pair index) at the base shape, on CPU.
 """
 
 from __future__ import annotations
@@ -15,27 +17,66 @@ import torch
 
 from _workload import best_of
 from attn_callbacks import functional as F
+from attn_callbacks.kernels import accumulate_attention_torch, uses_numba
 
 BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
 
 
-def step_seconds(batch: int, length: int, heads: int, vocab: int, mean_of_heads: bool = False) -> float:
+def step_seconds(
+    batch: int,
+    length: int,
+    heads: int,
+    vocab: int,
+    mean_of_heads: bool = False,
+    distribution: str = "zipf",
+    path: str = "dispatch",
+) -> float:
+    """Seconds of one step; ``path``: ``dispatch`` (what the callback runs), ``torch`` (the torch code, with its pair
+    index) or ``numba`` (the kernel, from the ids)."""
     g = torch.Generator().manual_seed(0)
     weights = torch.randn(batch, heads, length, length, generator=g).softmax(dim=-1)
-    zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
-    ids = torch.multinomial(zipf, batch * length, replacement=True, generator=g).view(batch, length)
+    if distribution == "zipf":
+        probs = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    else:
+        probs = torch.ones(vocab, dtype=torch.float64)
+    ids = torch.multinomial(probs, batch * length, replacement=True, generator=g).view(batch, length)
     valid = torch.ones(batch, length, dtype=torch.bool)
     channels = 1 if mean_of_heads else heads
     sums = torch.zeros(channels + 1, vocab * vocab + 1)
     pair_count = torch.zeros(vocab * vocab + 1, dtype=torch.long)
     query_count = torch.zeros(vocab + 1, dtype=torch.long)
     position_sums = torch.zeros(len(F.POSITION_STATS), heads)
+    state = (sums, pair_count, query_count, position_sums)
 
     def step() -> None:
-        pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)  # once per batch, shared by the modules
-        F.accumulate_attention(sums, pair_count, query_count, position_sums, weights, pairs, ids, valid, valid)
+        if path == "torch":
+            pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)  # once per batch, shared by the modules
+            accumulate_attention_torch(*state, weights, pairs, ids, valid, valid)
+        elif path == "numba" or uses_numba(weights.device):  # as AttentionAccumulator.update: no pair index
+            F.accumulate_attention(*state, weights, None, ids, valid, valid, key_ids=ids)
+        else:
+            pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)
+            F.accumulate_attention(*state, weights, pairs, ids, valid, valid)
 
     return best_of(step)
+
+
+def compare_paths() -> None:
+    """The numba kernel against the torch code at the base shape, per call."""
+    if not uses_numba("cpu"):
+        print("numba vs torch: numba is not running (not installed, or ATTN_CALLBACKS_NUMBA=0)")
+        return
+    b, length, h, v = BASE["B"], BASE["L"], BASE["H"], BASE["V"]
+    print(f"\nnumba vs torch at B={b} L={length} H={h} V={v}, cpu ({torch.get_num_threads()} threads), ms per call")
+    print(f"{'ids':8} {'sums':9} {'numba':>8} {'torch':>8} {'torch/numba':>12}")
+    for distribution in ("zipf", "uniform"):
+        for mean_of_heads in (False, True):
+            ms = {
+                path: step_seconds(b, length, h, v, mean_of_heads, distribution, path) * 1e3
+                for path in ("numba", "torch")
+            }
+            sums = "mean" if mean_of_heads else "per head"
+            print(f"{distribution:8} {sums:9} {ms['numba']:8.1f} {ms['torch']:8.1f} {ms['torch'] / ms['numba']:11.1f}x")
 
 
 def main() -> None:
@@ -63,6 +104,8 @@ def main() -> None:
         f"{'per_head=False (head-mean sums only)':37} {weights / 1e6:11.1f} {seconds * 1e3:8.1f} "
         f"{seconds / weights * 1e9:10.2f}"
     )
+    if not torch.cuda.is_available():
+        compare_paths()
 
 
 if __name__ == "__main__":

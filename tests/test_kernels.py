@@ -13,7 +13,7 @@ from _reference import (
 )
 
 from attn_callbacks import functional as F
-from attn_callbacks.kernels import weights_plogp
+from attn_callbacks.kernels import accumulate_attention_torch, weights_plogp
 
 
 def test_accumulate_attention_matches_naive_loop_self_attention_with_padding_and_causal_mask():
@@ -157,7 +157,7 @@ def test_accumulate_attention_position_sums_fully_masked_row_contributes_nothing
     assert not torch.equal(P0, P1) and not torch.equal(U0, U1)
 
 
-@pytest.mark.parametrize("path", ["reference", "fast"])
+@pytest.mark.parametrize("path", ["reference", "fast", "torch"])  # fast: the numba kernel on CPU, where numba runs
 def test_accumulate_attention_drops_and_counts_all_zero_rows_like_padding(path):
     # A valid query row with no weight in any head (some attention code zeroes padded queries) is no occurrence of its
     # token's attention: counted in Q it would pull that token's row of P below 1.
@@ -173,7 +173,8 @@ def test_accumulate_attention_drops_and_counts_all_zero_rows_like_padding(path):
         pairs = F.pair_index(qi, ki, query_valid, kv, 3, 3)
         packed, C, Q = torch.zeros(3, 10, dtype=torch.float64), torch.zeros(10, dtype=torch.long), torch.zeros(4).long()
         P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
-        skipped = F.accumulate_attention(packed, C, Q, P, weights.double(), pairs, qi, query_valid, kv)
+        fast = accumulate_attention_torch if path == "torch" else F.accumulate_attention
+        skipped = fast(packed, C, Q, P, weights.double(), pairs, qi, query_valid, kv)
         return packed[:2, :9].view(2, 3, 3), C[:9].view(3, 3), Q[:3], packed[2, :9].view(3, 3), P, int(skipped)
 
     *dropped, skipped = sums(qv)

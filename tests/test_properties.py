@@ -12,6 +12,7 @@ rounding) and compared with their loop definitions from the docstrings.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from unittest import mock
 
@@ -728,9 +729,13 @@ def test_accumulate_attention_fast_path_equals_reference_path(spec):
     batch = build(spec)
     ref = run(spec, batch, "reference")
     rows = max(kept_rows(batch), 1)
-    # The whole (small) batch in one chunk, and one sample per chunk as for a large batch on CPU.
-    for chunk_bytes in (kernels._CPU_CHUNK_BYTES, 1):
-        with mock.patch.object(kernels, "_CPU_CHUNK_BYTES", chunk_bytes):
+    # The numba kernel (where it runs), then the torch kernel with the whole (small) batch in one chunk and with one
+    # sample per chunk, as for a large batch on CPU.
+    for switch, chunk_bytes in (("1", kernels._CPU_CHUNK_BYTES), ("0", kernels._CPU_CHUNK_BYTES), ("0", 1)):
+        with (
+            mock.patch.dict(os.environ, {kernels.NUMBA_SWITCH: switch}),
+            mock.patch.object(kernels, "_CPU_CHUNK_BYTES", chunk_bytes),
+        ):
             fast = run(spec, batch, "fast")
         assert torch.equal(fast["C"], ref["C"]) and torch.equal(fast["Q"], ref["Q"]), "counts are exact"
         assert fast["skipped"] == ref["skipped"]
