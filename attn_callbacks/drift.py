@@ -226,11 +226,14 @@ class DriftMemory:
         return {**self.__dict__, "_spare": {}}  # a cache, rebuilt where needed
 
     def snapshots(self, name: str, shape: torch.Size) -> tuple[Snapshot | None, Snapshot | None]:
-        """(previous, reference) of one module, or None each; both None when the module's ``P`` had another shape
-        then (a different model under the same name: nothing comparable)."""
+        """(previous, reference) of one module, or None each; None for an epoch whose ``P`` had another shape (a
+        different model under the same name, say after a resume: nothing comparable), and both None when the
+        previous one had."""
         previous, reference = self.previous.get(name), self.reference.get(name)
         if previous is not None and tuple(previous["attention_mass"].shape) != tuple(shape):
             return None, None
+        if reference is not None and tuple(reference["attention_mass"].shape) != tuple(shape):
+            reference = None  # kept from before a resume into another model: nothing comparable
         return _complete(previous), _complete(reference)
 
     def take_spare(self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor | None:

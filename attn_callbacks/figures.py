@@ -348,9 +348,9 @@ class FigureCache:
             canvas.draw()
             entry = (figure, canvas, meshes, numbers, heading, canvas.copy_from_bbox(figure.bbox))
             cost = 2 * 4 * int(figure.bbox.width) * int(figure.bbox.height)  # canvas and background, RGBA
-            while self._entries and sum(self._bytes.values()) + cost > self.max_bytes:
-                del self._bytes[self._entries.popitem(last=False)[0]]
-            if cost <= self.max_bytes:
+            if cost <= self.max_bytes:  # a figure larger than the cap is drawn afresh each time, evicting nothing
+                while self._entries and sum(self._bytes.values()) + cost > self.max_bytes:
+                    del self._bytes[self._entries.popitem(last=False)[0]]
                 self._entries[layout], self._bytes[layout] = entry, cost
         else:
             self._entries.move_to_end(layout)

@@ -366,8 +366,11 @@ def summarize(
     out.add("skipped_rows", skipped_rows.float())
     earlier = {id(then.attention_mass): then for then in (previous, reference) if then is not None}
     fast = _row_pass(mass_heads)
-    if fast is not None:  # one fused pass over the rows (numba, CPU)
-        rows = fast.row_pass(mass_heads, query_count, uniform_sum, list(earlier.values()), min_support)
+    # One fused pass over the rows (numba, CPU); None where P is not finite.
+    rows = (
+        None if fast is None else fast.row_pass(mass_heads, query_count, uniform_sum, [*earlier.values()], min_support)
+    )
+    if rows is not None:
         mass, plogp_heads, plogp = rows.mean_mass, rows.plogp[:-1], rows.plogp[-1]
         lift_layer, lift_heads = rows.lift[-1], rows.lift[:-1]
         compared = {
@@ -390,7 +393,7 @@ def summarize(
     out.plogp_heads, out.mean_mass = plogp_heads, mass
     out.add("entropy", row_entropy(mass, query_count, plogp), row_entropy(mass_heads, query_count, plogp_heads))
     if square:
-        if fast is not None:
+        if rows is not None:
             out.add("asymmetry", fast.asymmetry(mass[None])[0], fast.asymmetry(mass_heads))
         else:
             out.add("asymmetry", asymmetry_index(mass), asymmetry_index(mass_heads))

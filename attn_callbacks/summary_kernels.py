@@ -127,6 +127,7 @@ def module_rows(
     plogp_out,
     rows_js,
     acc,
+    finite,
 ):  # pragma: no cover - compiled
     """Every row statistic of one module, rows split across ``acc.shape[0]`` threads.
 
@@ -146,6 +147,8 @@ def module_rows(
         plogp_out: ``(H + 1, Vq)`` float64, receives ``Σ p log p`` of every row (heads, then the mean).
         rows_js: ``(2, H + 1, Vq)`` float64, receives every row's JS per comparison (NaN where not supported).
         acc: ``(threads, NUM_STATS, H + 1)`` float64 zeros, receives each thread's sums.
+        finite: ``(threads,)`` bool, True; a thread that meets a non-finite ``P`` sets its own to False (and what it
+            computes is not to be used).
     """
     heads, vocab_q, vocab_k = mass.shape
     threads = acc.shape[0]
@@ -164,10 +167,14 @@ def module_rows(
             # later loop of this row reads these cells only: a short epoch's rows are mostly zeros.
             for b in range(vocab_k):
                 support[b] = uniform[a, b] > 0
+            total = 0.0
             for c in range(heads):
                 row = mass[c, a]
                 for b in range(vocab_k):
                     support[b] |= row[b] > 0
+                    total += row[b]
+            if not math.isfinite(total):  # NaN or inf in P: the caller takes the torch functions, which show them
+                finite[t] = False
             n = _nonzero(support, cells)
             for k in range(compare):  # and where this row or the earlier epoch's may be non-zero
                 either[:] = support
@@ -283,10 +290,33 @@ def _array(tensor: Tensor, dtype: torch.dtype) -> np.ndarray:
     return np.ascontiguousarray(tensor.detach().to(dtype).numpy())
 
 
-def row_pass(mass_heads: Tensor, query_count: Tensor, uniform_sum: Tensor, earlier: list, min_support: int) -> RowPass:
+def row_pass(
+    mass_heads: Tensor, query_count: Tensor, uniform_sum: Tensor, earlier: list, min_support: int
+) -> RowPass | None:
     """:func:`module_rows` on CPU tensors: ``mass_heads (H, Vq, Vk)``, ``query_count (Vq,)``, ``uniform_sum
-    (Vq, Vk)`` and up to two earlier epochs (:class:`~attn_callbacks.drift.Snapshot`) to compare with."""
+    (Vq, Vk)`` and up to two earlier epochs (:class:`~attn_callbacks.drift.Snapshot`) to compare with. None when ``P``
+    holds a non-finite value (the torch functions then give the NaN it deserves).
+
+    The lift's sums are taken as ``S = Q P`` (what ``P`` is made of), so they need no read of ``S``.
+
+    Raises:
+        ValueError: when a shape does not match ``P``'s (the kernel reads without bounds checks).
+    """
     heads, vocab_q, vocab_k = mass_heads.shape
+    expected = {
+        "query_count": ((vocab_q,), query_count.shape),
+        "uniform_sum": ((vocab_q, vocab_k), uniform_sum.shape),
+    }
+    for k, then in enumerate(earlier):
+        expected[f"earlier[{k}].attention_mass"] = ((heads, vocab_q, vocab_k), then.attention_mass.shape)
+        expected[f"earlier[{k}].mean_mass"] = ((vocab_q, vocab_k), then.mean_mass.shape)
+        expected[f"earlier[{k}].row_plogp"] = ((heads, vocab_q), then.row_plogp.shape)
+        expected[f"earlier[{k}].query_count"] = ((vocab_q,), then.query_count.shape)
+    for name, (want, got) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(
+                f"Expected `{name}` of shape {want} for P of shape {tuple(mass_heads.shape)}, got {tuple(got)}"
+            )
     mass = _array(mass_heads, torch.float32)
     counts = _array(query_count, torch.int64)
     mean = mass[0] if heads == 1 else np.empty((vocab_q, vocab_k), dtype=np.float32)
@@ -301,6 +331,7 @@ def row_pass(mass_heads: Tensor, query_count: Tensor, uniform_sum: Tensor, earli
     plogp = np.zeros((heads + 1, vocab_q))
     rows_js = np.full((2, heads + 1, vocab_q), np.nan)
     acc = np.zeros((_threads(), NUM_STATS, heads + 1))
+    finite = np.ones(acc.shape[0], dtype=np.bool_)
     module_rows(
         mass,
         counts,
@@ -317,7 +348,10 @@ def row_pass(mass_heads: Tensor, query_count: Tensor, uniform_sum: Tensor, earli
         plogp,
         rows_js,
         acc,
+        finite,
     )
+    if not finite.all():
+        return None
     sums = torch.from_numpy(acc.sum(axis=0))  # (NUM_STATS, H + 1)
     total = sums[LIFT_S]
     exponent = torch.where(total > 0, (sums[LIFT_S_LOG_S] - sums[LIFT_S_LOG_U]) / total.clamp(min=1e-300), 0.0)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from attn_callbacks.accumulate import SUM_FIELDS, AttentionAccumulator
@@ -200,3 +201,35 @@ def test_accumulator_sync_sums_ranks_in_place_without_gathering(tmp_path):
         for field in SUM_FIELDS:
             for which in ("first", "second", "third"):
                 torch.testing.assert_close(saved[which][field], getattr(expected, field), msg=f"{rank} {which} {field}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_accumulator_and_summary_on_cuda_equal_the_cpu_kernels():
+    """The GPU path (torch code) gives the CPU path's sums and epoch numbers (numba there, where it runs)."""
+    from attn_callbacks.drift import Snapshot
+    from attn_callbacks.summary import summarize
+
+    g = torch.Generator().manual_seed(1)
+    heads, vocab, results = 4, 50, {}
+    for device in ("cpu", "cuda"):
+        metric = AttentionAccumulator(heads, vocab, vocab).to(device)
+        for _ in range(3):
+            w = torch.randn(8, heads, 24, 24, generator=g).softmax(-1)
+            ids = torch.randint(0, vocab, (8, 24), generator=g)
+            valid = torch.rand(8, 24, generator=g) > 0.1
+            metric.update(w.to(device), ids.to(device), ids.to(device), valid.to(device), valid.to(device))
+        results[device] = metric.compute()
+        g = torch.Generator().manual_seed(1)  # the same batches on the other device
+    cpu, cuda = results["cpu"], results["cuda"]
+    for field in SUM_FIELDS:
+        torch.testing.assert_close(getattr(cuda, field).cpu(), getattr(cpu, field), rtol=1e-5, atol=1e-6, msg=field)
+    earlier = Snapshot.of(cpu.attention_mass.flip(-1).contiguous(), cpu.query_count)
+    summaries = {}
+    for device, stats in results.items():
+        then = Snapshot(*(part.to(device) for part in earlier))
+        args = (stats.attention_sum, stats.uniform_sum, stats.query_count, stats.position_sums, stats.skipped_rows)
+        summaries[device] = summarize(stats.attention_mass, *args, square=True, previous=then, reference=then)
+    for name, value in summaries["cpu"].layer.items():
+        torch.testing.assert_close(summaries["cuda"].layer[name].cpu(), value, rtol=1e-4, atol=1e-6, msg=name)
+    for name, value in summaries["cpu"].heads.items():
+        torch.testing.assert_close(summaries["cuda"].heads[name].cpu(), value, rtol=1e-4, atol=1e-6, msg=name)

@@ -179,3 +179,14 @@ def test_moved_tokens_hand_computed_with_ties():
     assert all(math.isclose(s, math.log(2), rel_tol=1e-6) for _, s in moved[:2])
     assert abs(moved[2][1]) < 1e-7
     assert F.moved_tokens(current, reference, counts, counts, k=5, min_support=3) == []
+
+
+def test_drift_memory_drops_a_reference_of_another_shape_and_keeps_the_previous_epoch():
+    from attn_callbacks.drift import DriftMemory
+
+    memory = DriftMemory()
+    memory.remember(0, {"enc": (torch.rand(2, 4, 3), torch.ones(4, dtype=torch.long), {})})  # the reference
+    memory.remember(1, {"enc": (torch.rand(2, 4, 4), torch.ones(4, dtype=torch.long), {})})  # another model since
+    previous, reference = memory.snapshots("enc", torch.Size((2, 4, 4)))
+    assert previous is not None and previous.attention_mass.shape == (2, 4, 4) and reference is None
+    assert memory.snapshots("enc", torch.Size((2, 4, 3))) == (None, None)

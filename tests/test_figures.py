@@ -87,6 +87,9 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_me
     assert sum(small._bytes.values()) <= 2 * cost
     tiny = figures.FigureCache(max_bytes=0)  # nothing kept, still drawn right
     assert np.array_equal(tiny.heatmap(second, labels, labels, "T", "P"), again) and not tiny._entries
+    many = [f"t{i}" for i in range(60)]
+    small.heatmap(rng.random((60, 60)), many, many, "T", "P")  # larger than the whole cap: evicts nothing
+    assert len(small._entries) == 2
     # alpha=True: the same pixels with the canvas' opaque alpha channel, which PNG encoding drops
     with_alpha = cache.heatmap(second, labels, labels, "T", "P", alpha=True)
     assert with_alpha.shape == (*again.shape[:2], 4) and (with_alpha[..., 3] == 255).all()

@@ -123,3 +123,25 @@ def test_summarize_uses_torch_functions_when_numba_is_switched_off(monkeypatch):
         mass_of(attention_sum, counts), attention_sum, uniform, counts, torch.zeros(6, 2), torch.tensor(0), square=True
     )
     assert calls == []
+
+
+def test_row_pass_refuses_an_earlier_epoch_of_another_shape():
+    attention_sum, counts, uniform = sums(2, 40, 40)
+    mass_heads = mass_of(attention_sum, counts)
+    other_sum, other_counts, _ = sums(2, 40, 30, seed=1)  # another key vocabulary: the kernel would read past it
+    with pytest.raises(ValueError, match=r"earlier\[0\]\.attention_mass.*\(2, 40, 40\).*\(2, 40, 30\)"):
+        summary_kernels.row_pass(
+            mass_heads, counts, uniform, [Snapshot.of(mass_of(other_sum, other_counts), counts)], 1
+        )
+    with pytest.raises(ValueError, match="uniform_sum"):
+        summary_kernels.row_pass(mass_heads, counts, uniform[:, :30], [], 1)
+
+
+def test_summarize_numba_pass_leaves_a_non_finite_p_to_the_torch_functions(monkeypatch):
+    attention_sum, counts, uniform = sums(3, 30, 30)
+    mass_heads = mass_of(attention_sum, counts)
+    mass_heads[1, 4, 7] = float("nan")
+    fast, slow = summary_both_ways(monkeypatch, mass_heads, attention_sum, uniform, counts, True, None, None, 1)
+    assert slow.heads["entropy"][1].isnan() and slow.layer["asymmetry"].isnan()
+    for name in slow.heads:
+        torch.testing.assert_close(fast.heads[name], slow.heads[name], equal_nan=True, msg=name)
