@@ -349,6 +349,10 @@ def summarize(
     ``lift``, ``position/{stat}``, ``position/sink_mass`` (with sinks) and ``drift/{js,frobenius}_{prev,ref}`` (with
     snapshots). Layer values are of ``mean_h P`` (position statistics: the mean of the heads).
 
+    On the CPU, where numba runs, the row statistics (entropy, lift, drift) and the asymmetry come from the fused
+    passes of :mod:`attn_callbacks.summary_kernels`; elsewhere (and for a non-finite ``P``) from the functions of this
+    module and :mod:`attn_callbacks.drift`, which the tests hold them equal to.
+
     Args:
         mass_heads: ``P`` per head, ``(H, Vq, Vk)``.
         attention_sum: ``S``, ``(H, Vq, Vk)``.
