@@ -159,16 +159,15 @@ class AttentionAccumulator(SummedMetric):
         queries and keys (ids in ``[0, Vq)`` / ``[0, Vk)`` at valid positions).
 
         ``pairs`` is :func:`attn_callbacks.functional.pair_index` of the ids, when the caller already has it (it
-        depends on the ids only, so modules reading the same streams can share it). The numba kernel (on CPU, see
-        :func:`attn_callbacks.kernels.uses_numba`) reads the ids instead and needs none.
+        depends on the ids only, so modules reading the same streams can share it); computed from the ids when the
+        torch kernel needs it. The numba kernel (on CPU, see :func:`attn_callbacks.kernels.uses_numba`) reads the ids
+        instead.
         """
         if self.summed_in_place:
             raise RuntimeError(
                 "AttentionAccumulator.update: the state holds every process's sums (stats(in_place=True)); adding to "
                 "it would count them again. reset() first"
             )
-        if pairs is None and not uses_numba(weights.device):
-            pairs = pair_index(query_ids, key_ids, query_valid, key_valid, self.query_vocab_size, self.key_vocab_size)
         skipped = accumulate_attention(
             self.sums,
             self.pair_count,

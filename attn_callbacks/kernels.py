@@ -155,6 +155,8 @@ def accumulate_attention(
         ValueError: ``pairs`` and ``key_ids`` both None; or on the numba path, an id out of range at a valid position
             (the torch path raises an IndexError from ``index_add_``, or adds an id just past ``Vk`` to the next row).
     """
+    if pairs is None and key_ids is None:
+        raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
     vocab_q = query_count.numel() - 1
     vocab_k = (pair_count.numel() - 1) // max(vocab_q, 1)
     if (
@@ -165,8 +167,6 @@ def accumulate_attention(
         and uses_numba(weights.device)
     ):
         if key_ids is None:
-            if pairs is None:
-                raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
             key_ids = _key_ids_from_pairs(pairs, query_ids, query_valid, key_valid, vocab_k)
         kernels = _numba_kernels()
         assert kernels is not None  # uses_numba
@@ -174,8 +174,6 @@ def accumulate_attention(
             sums, pair_count, query_count, position_sums, weights, query_ids, key_ids, query_valid, key_valid
         )
     if pairs is None:
-        if key_ids is None:
-            raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
         pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, vocab_k)
     return accumulate_attention_torch(
         sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid

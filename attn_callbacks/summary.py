@@ -22,6 +22,7 @@ from attn_callbacks.kernels import POSITION_STATS
 __all__ = [
     "Drift",
     "ModuleSummary",
+    "asymmetry_from_sums",
     "asymmetry_index",
     "attention_mass",
     "drift_between",
@@ -99,8 +100,13 @@ def asymmetry_index(matrix: Tensor) -> Tensor:
         return torch.stack([2 * cross, upper.square().sum(dim=(-1, -2)) + lower.square().sum(dim=(-1, -2))])
 
     cross, norm = sum_by_blocks(tile_sums, square_tiles(matrix), matrix.new_zeros(2, *matrix.shape[:-2]))
-    index = (1 - safe_divide(cross, norm)).clamp(min=0).sqrt() * (norm > 0)
-    return index.to(matrix.dtype)
+    return asymmetry_from_sums(cross, norm).to(matrix.dtype)
+
+
+def asymmetry_from_sums(cross: Tensor, norm: Tensor) -> Tensor:
+    """``sqrt(1 - <P, Pᵀ> / <P, P>)`` from the two sums (any shape), 0 where ``<P, P> = 0``: the one formula behind
+    :func:`asymmetry_index` and the numba pass."""
+    return (1 - safe_divide(cross, norm)).clamp(min=0).sqrt() * (norm > 0)
 
 
 def pairwise_asymmetry(matrix: Tensor) -> Tensor:
@@ -398,7 +404,10 @@ def summarize(
     out.add("entropy", row_entropy(mass, query_count, plogp), row_entropy(mass_heads, query_count, plogp_heads))
     if square:
         if rows is not None:
-            out.add("asymmetry", fast.asymmetry(mass[None])[0], fast.asymmetry(mass_heads))
+            cross, norm = fast.cross_and_norm_sums(mass[None])
+            cross_heads, norm_heads = fast.cross_and_norm_sums(mass_heads)
+            asymmetry = asymmetry_from_sums(cross[0], norm[0]), asymmetry_from_sums(cross_heads, norm_heads)
+            out.add("asymmetry", *(value.to(mass.dtype) for value in asymmetry))
         else:
             out.add("asymmetry", asymmetry_index(mass), asymmetry_index(mass_heads))
     out.add("lift", lift_layer, lift_heads)

@@ -18,7 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["RowPass", "asymmetry", "cross_and_norm", "module_rows", "row_pass"]
+from attn_callbacks.blocks import safe_divide
+from attn_callbacks.drift import supported_rows
+
+__all__ = ["RowPass", "cross_and_norm", "cross_and_norm_sums", "module_rows", "row_pass"]
 
 # Rows of the per-thread accumulator of :func:`module_rows`, each a float64 sum per channel (heads, then the mean):
 # the lift's Σ S, Σ S log S and Σ S log U; then per comparison k (0 previous, 1 reference) Σ_a w[a] JS[a],
@@ -354,14 +357,14 @@ def row_pass(
         return None
     sums = torch.from_numpy(acc.sum(axis=0))  # (NUM_STATS, H + 1)
     total = sums[LIFT_S]
-    exponent = torch.where(total > 0, (sums[LIFT_S_LOG_S] - sums[LIFT_S_LOG_U]) / total.clamp(min=1e-300), 0.0)
+    exponent = safe_divide(sums[LIFT_S_LOG_S] - sums[LIFT_S_LOG_U], total)  # as mean_lift's
     js, frobenius = [], []
-    for k, then in enumerate(earlier):
-        supported = (query_count >= min_support) & (then.query_count.to(query_count.device) >= min_support)
+    for k, then in enumerate(earlier):  # as attention_drift divides its sums
+        supported = supported_rows(query_count, then.query_count.to(query_count.device), min_support)
         weights = torch.where(supported, query_count, 0).sum().double()
         change, norm = sums[DRIFT + 3 * k + 1], sums[DRIFT + 3 * k + 2]
-        js.append(torch.where(weights > 0, sums[DRIFT + 3 * k] / weights.clamp(min=1), 0.0))
-        frobenius.append(torch.where(norm > 0, change.sqrt() / norm.sqrt().clamp(min=1e-300), 0.0))
+        js.append(safe_divide(sums[DRIFT + 3 * k], weights))
+        frobenius.append(safe_divide(change.sqrt(), norm.sqrt()))
     empty = torch.zeros(0, heads + 1, dtype=torch.float64)
     return RowPass(
         mean_mass=mass_heads[0] if heads == 1 else torch.from_numpy(mean),
@@ -373,10 +376,10 @@ def row_pass(
     )
 
 
-def asymmetry(matrices: Tensor) -> Tensor:
-    """:func:`attn_callbacks.summary.asymmetry_index` of CPU ``(C, V, V)``, ``(C,)``."""
+def cross_and_norm_sums(matrices: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`cross_and_norm` of CPU ``(C, V, V)``: ``<P, Pᵀ>`` and ``<P, P>``, each ``(C,)`` float64 (see
+    :func:`attn_callbacks.summary.asymmetry_from_sums`)."""
     acc = np.zeros((_threads(), 2, matrices.shape[0]))
     cross_and_norm(_array(matrices, torch.float32), acc)
     cross, norm = torch.from_numpy(acc.sum(axis=0))
-    index = torch.where(norm > 0, (1 - cross / norm.clamp(min=1e-300)).clamp(min=0).sqrt(), 0.0)
-    return index.float()
+    return cross, norm

@@ -397,7 +397,8 @@ def test_accumulate_attention_warns_once_and_runs_torch_when_numba_cannot_be_imp
 def test_accumulator_and_epoch_sums_compute_the_pair_index_only_for_the_torch_path(monkeypatch):
     weights, query_ids, key_ids, query_valid, key_valid = make_case(causal=True, seed=15)
     built = []
-    monkeypatch.setattr("attn_callbacks.accumulate.pair_index", lambda *a: built.append(1) or pair_index(*a))
+    for where in ("attn_callbacks.accumulate.pair_index", "attn_callbacks.kernels.pair_index"):  # EpochSums, update
+        monkeypatch.setattr(where, lambda *a: built.append(1) or pair_index(*a))
     results = {}
     for switch in ("1", "0"):
         monkeypatch.setenv(kernels.NUMBA_SWITCH, switch)
