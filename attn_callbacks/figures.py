@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
-__all__ = ["FigureCache", "abs_max", "head_grid", "heatmap"]
+__all__ = ["FigureCache", "abs_max", "cell_text", "head_grid", "heatmap", "value_grid"]
 
 
 # Fixed layout in inches, computed from the labels: matplotlib's constrained layout measures every tick label
@@ -28,6 +29,9 @@ _COLORBAR = 1.2  # inches right of the panels for the colour bar, its tick label
 _BAR_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the colour bar is marked, as fractions of its height
 _BAR_FONT = 8
 _BAR_GID = "colour bar number"  # marks the colour bar's numbers, which FigureCache redraws
+_BAR_LABEL_GID = "colour bar label"  # marks the colour bar's label, placed beside its numbers
+_CELL_GID = "cell value"  # marks the numbers printed in a value grid's cells
+_GRID_TITLE = 48  # characters of title a value grid always has room for
 _TITLE_GID = "figure title"  # marks the title (it names the layer), which FigureCache redraws
 
 
@@ -52,9 +56,12 @@ def _draw(
     diverging: bool,
     limit: float,
     size: int,
+    axis_names: tuple[str, str] = ("query token (attending)", "key token (attended to)"),
+    col_rotation: float = 90,
 ) -> QuadMesh:
     """One heatmap on ``ax`` with colour scale ``[0, limit]`` (``[-limit, limit]`` when ``diverging``), row 0 at the
-    top; tick labels only for the axes given (``None``: no ticks, as for inner grid panels).
+    top; tick labels only for the axes given (``None``: no ticks, as for inner grid panels), the axes named by
+    ``axis_names`` (rows, columns).
 
     Cells are a mesh of flat quads, not an image: matplotlib resamples an image to the output pixels and colour-maps
     every pixel, ~4× slower at 30 × 30 cells (measured). NaN cells are left blank: matplotlib masks invalid values
@@ -67,13 +74,13 @@ def _draw(
     if cols is None:
         ax.set_xticks([])
     else:
-        ax.set_xticks(np.arange(len(cols)) + 0.5, cols, rotation=90, fontsize=size)  # cell j spans [j, j + 1]
-        ax.set_xlabel("key token (attended to)", fontsize=8)
+        ax.set_xticks(np.arange(len(cols)) + 0.5, cols, rotation=col_rotation, fontsize=size)  # cell j: [j, j + 1]
+        ax.set_xlabel(axis_names[1], fontsize=8)
     if rows is None:
         ax.set_yticks([])
     else:
         ax.set_yticks(np.arange(len(rows)) + 0.5, rows, fontsize=size)
-        ax.set_ylabel("query token (attending)", fontsize=8)
+        ax.set_ylabel(axis_names[0], fontsize=8)
     return mesh
 
 
@@ -108,11 +115,27 @@ def _colorbar(
     ax.yaxis.tick_right()
     ax.set_yticks(_BAR_FRACTIONS, [""] * len(_BAR_FRACTIONS))
     pad = transforms.offset_copy(ax.transAxes, figure, x=6, units="points")  # past the tick marks
-    for fraction, text in zip(_BAR_FRACTIONS, _bar_labels(limit, diverging), strict=True):
+    numbers = _bar_labels(limit, diverging)
+    for fraction, text in zip(_BAR_FRACTIONS, numbers, strict=True):
         ax.text(1.0, fraction, text, transform=pad, fontsize=_BAR_FONT, va="center", gid=_BAR_GID)
-    # A fixed place, right of the longest number .3g writes ("-1.23e+100"), so it never moves with the scale.
-    right = transforms.offset_copy(ax.transAxes, figure, x=8 + 10 * _BAR_FONT * _CHAR * 72, units="points")
-    ax.text(1.0, 0.5, label, transform=right, rotation=90, fontsize=_BAR_FONT, va="center", ha="left")
+    ax.text(
+        1.0,
+        0.5,
+        label,
+        transform=_beside(ax, numbers),
+        rotation=90,
+        fontsize=_BAR_FONT,
+        va="center",
+        ha="left",
+        gid=_BAR_LABEL_GID,
+    )
+
+
+def _beside(bar, numbers: Sequence[str]) -> transforms.Transform:
+    """The colour bar label's place: right of the widest of its numbers (the figure leaves room for the widest
+    number .3g writes, "-1.23e+100")."""
+    widest = max(len(number) for number in numbers) * _BAR_FONT * _CHAR * 72
+    return transforms.offset_copy(bar.transAxes, bar.figure, x=8 + widest, units="points")
 
 
 def _text_inches(text: str, size: int) -> float:
@@ -135,12 +158,16 @@ def _grid_figure(
     cell: float = _CELL,
     title_inches: float = 0.0,
     title_at_panel: bool = False,
+    cell_width: float | None = None,
+    min_cells: int = 8,
 ) -> tuple[Figure, list[list[tuple[float, float, float, float]]], tuple[float, float, float, float], int]:
     """A figure sized for ``nrows × ncols`` heatmap panels, the panels' rectangles and the colour bar's (figure
     fractions), and the tick font size. One row (column) of cells is at least as tall (wide) as a tick label's font,
-    so labels never overlap; the figure is at least as wide as its title, so the layer name is never cut."""
+    so labels never overlap; the figure is at least as wide as its title, so the layer name is never cut. Cells are
+    ``cell`` inches high and ``cell_width`` (default ``cell``) wide, a panel at least ``min_cells`` each way."""
     size = _font_size(len(row_labels), len(col_labels))
-    panel_w, panel_h = cell * max(len(col_labels), 8), cell * max(len(row_labels), 8)
+    cell_w = cell if cell_width is None else cell_width
+    panel_w, panel_h = cell_w * max(len(col_labels), min_cells), cell * max(len(row_labels), min_cells)
     left = _label_inches(row_labels, size) + _AXIS_LABEL
     bottom = _label_inches(col_labels, size) + _AXIS_LABEL
     gap_w, gap_h = 0.2, _TITLE
@@ -243,14 +270,90 @@ def head_grid(
     return figure
 
 
+def cell_text(value: float) -> str:
+    """A value printed in a grid cell, at most 6 characters: 2 decimals from 0.01 to 100, then whole numbers,
+    one significant digit outside; blank for NaN.
+
+    Example:
+        >>> [cell_text(v) for v in (0.0, 0.4567, 12.345, 1234.5, 0.00123, float("nan"))]
+        ['0', '0.46', '12.35', '1234', '0.001', '']
+    """
+    if not math.isfinite(value):
+        return ""
+    if value == 0:
+        return "0"
+    if 0.01 <= abs(value) < 100:
+        return f"{value:.2f}"
+    if 100 <= abs(value) < 10_000:
+        return f"{value:.0f}"
+    return f"{value:.0e}" if abs(value) >= 10_000 else f"{value:.1g}"
+
+
+def _cell_colours(mesh: QuadMesh, values: np.ndarray) -> list[str]:
+    """Black on light cells, white on dark ones (by the cell colour's luma)."""
+    rgb = mesh.cmap(mesh.norm(np.nan_to_num(values.ravel())))[:, :3]
+    luma = rgb @ np.array([0.299, 0.587, 0.114])
+    return ["black" if y > 0.5 else "white" for y in luma]
+
+
+def value_grid(
+    values: np.ndarray,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title: str,
+    colorbar_label: str,
+    vmax: float | None = None,
+    groups: Sequence[int] = (),
+    axis_names: tuple[str, str] = ("attention module", "head"),
+) -> Figure:
+    """A grid of numbers, each cell coloured on a ``[0, vmax]`` scale with its value printed in it (black or
+    white, whichever reads on the cell), and a colour bar: the layer × head view of one metric.
+
+    Args:
+        values: ``(R, C)``; NaN cells are blank.
+        row_labels: ``R`` row labels.
+        col_labels: ``C`` column labels.
+        title: figure title.
+        colorbar_label: what the colour and the numbers mean.
+        vmax: top of the colour scale; the largest value if None.
+        groups: rows where a new group starts: a white line is drawn above each.
+        axis_names: the (rows, columns) axis names.
+    """
+    figure, panels, colorbar, size = _grid_figure(
+        1,
+        1,
+        row_labels,
+        col_labels,
+        1,
+        cell=_CELL * 1.1,
+        title_inches=_text_inches(title, 9) + 0.2 if len(title) > _GRID_TITLE else _text_inches("x" * _GRID_TITLE, 9),
+        title_at_panel=True,
+        cell_width=_CELL * 2,
+        min_cells=1,
+    )
+    limit = abs_max(values) if vmax is None else vmax
+    ax = figure.add_axes(panels[0][0])
+    mesh = _draw(ax, values, row_labels, col_labels, False, limit, size, axis_names, col_rotation=0)
+    for row in groups:
+        ax.axhline(row, color="white", linewidth=2.5)
+    colours = iter(_cell_colours(mesh, values))
+    for (i, j), value in np.ndenumerate(values):
+        text = cell_text(float(value))
+        ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=size, color=next(colours), gid=_CELL_GID)
+    ax.set_title(title, fontsize=9, loc="left", gid=_TITLE_GID)
+    _colorbar(figure, colorbar, colorbar_label, limit, False)
+    return figure
+
+
 class FigureCache:
     """Renders heatmaps to RGB arrays, reusing a figure for every render of the same layout.
 
     The first render of a layout (figure size, labels, panel titles, colour map) draws the whole figure and keeps the
-    pixels of everything but the colour cells, the colour bar's numbers and the title. Later renders of that layout,
-    for any tag, only set the new data, colour scale and title and redraw those parts on top: the pixels equal a fresh
-    render's. Tick labels are most of matplotlib's drawing time, so the heatmaps of every layer of a model (the same
-    tokens on their axes, another title) cost one full drawing, not one each.
+    pixels of everything but the colour cells, the colour bar's numbers and label, the title and a value grid's
+    numbers. Later renders of that layout, for any tag, set the new data, colour scale and texts and redraw those
+    parts on top: the pixels equal a fresh render's. Tick labels are most of matplotlib's drawing time, so the
+    heatmaps of every layer of a model (the same tokens on their axes, another title) cost one full drawing, not one
+    each.
 
     Args:
         max_bytes: the most memory the kept figures may take (two RGBA buffers each); the least recently used layouts
@@ -259,8 +362,7 @@ class FigureCache:
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
         self.max_bytes = max_bytes
-        # layout -> (figure, canvas, meshes, numbers, title, background), least recently used first
-        self._entries: OrderedDict[tuple, tuple[Figure, FigureCanvasAgg, list, list, Any, Any]] = OrderedDict()
+        self._entries: OrderedDict[tuple, _Kept] = OrderedDict()  # least recently used first
         self._bytes: dict[tuple, int] = {}
 
     def heatmap(
@@ -278,11 +380,11 @@ class FigureCache:
         when ``alpha``: a plain copy of the canvas, many times faster than leaving the channel out; :func:`png_bytes`
         drops it)."""
         # The title's length, not its text: it sets the figure's width.
-        layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), len(title), colorbar_label, diverging)
+        layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), len(title), diverging)
         limit = abs_max(matrix) if vmax is None else vmax
         return self._render(
             layout,
-            title,
+            _Texts(title, colorbar_label),
             [matrix],
             limit,
             diverging,
@@ -310,14 +412,13 @@ class FigureCache:
             tuple(row_labels),
             tuple(col_labels),
             len(title),
-            colorbar_label,
             tuple(titles or ()),
             diverging,
         )
         limit = abs_max(matrices) if vmax is None else vmax
         return self._render(
             layout,
-            title,
+            _Texts(title, colorbar_label),
             list(matrices),
             limit,
             diverging,
@@ -325,49 +426,114 @@ class FigureCache:
             alpha,
         )
 
+    def value_grid(
+        self,
+        values: np.ndarray,
+        row_labels: Sequence[str],
+        col_labels: Sequence[str],
+        title: str,
+        colorbar_label: str,
+        vmax: float | None = None,
+        groups: Sequence[int] = (),
+        axis_names: tuple[str, str] = ("attention module", "head"),
+        alpha: bool = False,
+    ) -> np.ndarray:
+        """:func:`value_grid` of ``values`` as an ``(H, W, 3)`` uint8 array (``(H, W, 4)`` when ``alpha``, as for
+        :meth:`heatmap`): the grids of every metric share one figure."""
+        # Titles up to _GRID_TITLE characters get the same room: every metric's grid shares one figure.
+        room = max(len(title), _GRID_TITLE)
+        layout = ("values", values.shape, tuple(row_labels), tuple(col_labels), room, tuple(groups), axis_names)
+        limit = abs_max(values) if vmax is None else vmax
+        cells = [cell_text(float(value)) for value in values.ravel()]
+        return self._render(
+            layout,
+            _Texts(title, colorbar_label, cells),
+            [values],
+            limit,
+            False,
+            lambda: value_grid(values, row_labels, col_labels, title, colorbar_label, limit, groups, axis_names),
+            alpha,
+        )
+
     def _render(
         self,
         layout: tuple,
-        title: str,
+        texts: _Texts,
         panels: list[np.ndarray],
         limit: float,
         diverging: bool,
         build: Callable,
         alpha: bool = False,
     ) -> np.ndarray:
-        entry = self._entries.get(layout)
-        if entry is None:
-            figure = build()
-            numbers = [text for text in figure.axes[-1].texts if text.get_gid() == _BAR_GID]  # the colour bar's
-            heading = next(text for text in figure.findobj(Text) if text.get_gid() == _TITLE_GID)
-            meshes = [mesh for ax in figure.axes[:-1] for mesh in ax.collections if isinstance(mesh, QuadMesh)]
-            spines = [spine for mesh in meshes for spine in mesh.axes.spines.values()]
-            for artist in [*meshes, *spines, *numbers, heading]:
-                artist.set_animated(True)  # left out of the full draw: the kept background has no data in it
-            canvas = FigureCanvasAgg(figure)
-            canvas.draw()
-            entry = (figure, canvas, meshes, numbers, heading, canvas.copy_from_bbox(figure.bbox))
-            cost = 2 * 4 * int(figure.bbox.width) * int(figure.bbox.height)  # canvas and background, RGBA
+        kept = self._entries.get(layout)
+        if kept is None:
+            kept = _Kept.of(build())
+            cost = 2 * 4 * int(kept.figure.bbox.width) * int(kept.figure.bbox.height)  # canvas and background, RGBA
             if cost <= self.max_bytes:  # a figure larger than the cap is drawn afresh each time, evicting nothing
                 while self._entries and sum(self._bytes.values()) + cost > self.max_bytes:
                     del self._bytes[self._entries.popitem(last=False)[0]]
-                self._entries[layout], self._bytes[layout] = entry, cost
+                self._entries[layout], self._bytes[layout] = kept, cost
         else:
             self._entries.move_to_end(layout)
-            figure, canvas, meshes, numbers, heading, background = entry
-            for mesh, matrix in zip(meshes, panels, strict=True):
+            numbers = _bar_labels(limit, diverging)
+            for mesh, matrix in zip(kept.meshes, panels, strict=True):
                 mesh.set_array(matrix)
                 mesh.set_clim(-limit if diverging else 0.0, limit)
-            for text, number in zip(numbers, _bar_labels(limit, diverging), strict=True):
+            for text, number in zip(kept.numbers, numbers, strict=True):
                 text.set_text(number)
-            heading.set_text(title)
-            canvas.restore_region(background)
-        figure, canvas, meshes, numbers, heading, _ = entry
-        for mesh in meshes:
+            kept.heading.set_text(texts.title)
+            kept.label.set_text(texts.colorbar_label)
+            kept.label.set_transform(_beside(kept.label.axes, numbers))
+            colours = _cell_colours(kept.meshes[0], panels[0]) if kept.cells else []
+            for text, value, colour in zip(kept.cells, texts.cells, colours, strict=True):
+                text.set_text(value)
+                text.set_color(colour)
+            kept.canvas.restore_region(kept.background)
+        figure = kept.figure
+        for mesh in kept.meshes:
             figure.draw_artist(mesh)
-            for spine in mesh.axes.spines.values():  # the frame goes over the cells, as in a full draw
-                figure.draw_artist(spine)
-        for text in [*numbers, heading]:
+            for artist in [*mesh.axes.lines, *mesh.axes.spines.values()]:  # over the cells, as in a full draw
+                figure.draw_artist(artist)
+        for text in [*kept.cells, *kept.numbers, kept.heading, kept.label]:
             figure.draw_artist(text)
-        pixels = np.asarray(canvas.buffer_rgba())  # (H, W, 4), the canvas' own buffer: copied before it is reused
+        pixels = np.asarray(kept.canvas.buffer_rgba())  # (H, W, 4), the canvas' own buffer: copied before it is reused
         return pixels.copy() if alpha else pixels[..., :3].copy()
+
+
+@dataclass
+class _Texts:
+    """The texts of one render that a kept figure redraws: its title, colour bar label and cell numbers."""
+
+    title: str
+    colorbar_label: str
+    cells: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Kept:
+    """A drawn figure and the artists :class:`FigureCache` redraws on its kept background."""
+
+    figure: Figure
+    canvas: FigureCanvasAgg
+    meshes: list[QuadMesh]
+    numbers: list[Text]  # the colour bar's
+    heading: Text
+    label: Text  # the colour bar's
+    cells: list[Text]  # a value grid's numbers, row by row
+    background: Any
+
+    @classmethod
+    def of(cls, figure: Figure) -> _Kept:
+        """Draw ``figure`` without the parts that change, keep those pixels, and draw it whole."""
+        texts = list(figure.findobj(Text))
+        numbers = [text for text in texts if text.get_gid() == _BAR_GID]
+        (heading,) = [text for text in texts if text.get_gid() == _TITLE_GID]
+        (label,) = [text for text in texts if text.get_gid() == _BAR_LABEL_GID]
+        cells = [text for text in figure.axes[0].texts if text.get_gid() == _CELL_GID]
+        meshes = [mesh for ax in figure.axes[:-1] for mesh in ax.collections if isinstance(mesh, QuadMesh)]
+        overlays = [artist for mesh in meshes for artist in [*mesh.axes.lines, *mesh.axes.spines.values()]]
+        for artist in [*meshes, *overlays, *numbers, heading, label, *cells]:
+            artist.set_animated(True)  # left out of the full draw: the kept background has none of them
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        return cls(figure, canvas, meshes, numbers, heading, label, cells, canvas.copy_from_bbox(figure.bbox))

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attn_callbacks.dashboard import HEAD_METRICS, HeadMetric, head_grid_rows
 from attn_callbacks.figures import FigureCache, abs_max
 from attn_callbacks.summary import lift
 
@@ -116,6 +117,28 @@ class Images:
                 True,
             )
         return images
+
+    def metric_grid(
+        self, tag: str, key: str, values: dict[str, Tensor], square: dict[str, bool], suffix: str = ""
+    ) -> np.ndarray:
+        """The head grid of one per-head metric (``key``, e.g. ``"position/entropy"``) as an RGBA array: a row per
+        module (``values``: name -> ``(H,)``, in model order; self-attention rows first, then cross-attention ones
+        below a line), a column per head, each cell's value printed in it. Metrics with a natural range keep it
+        (:data:`~attn_callbacks.dashboard.HEAD_METRICS`); the others follow ``color_scale``."""
+        metric = HEAD_METRICS.get(key, HeadMetric(key))
+        numbers = {name: v.double().cpu().numpy() for name, v in values.items()}
+        rows, row_labels, groups = head_grid_rows(numbers, square)
+        vmax = metric.vmax if metric.vmax is not None else self.limit(tag + suffix, rows)
+        return self.figures.value_grid(
+            rows,
+            row_labels,
+            [str(h) for h in range(rows.shape[1])],
+            f"{metric.label}, per head",
+            "",
+            vmax=vmax,
+            groups=groups,
+            alpha=True,
+        )
 
     def probe_maps(
         self,

@@ -10,13 +10,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from attn_callbacks.accumulate import AttentionStats
+from attn_callbacks.dashboard import grid_tag, head_tag, layer_tag, scalars_layout
 from attn_callbacks.drift import DriftMemory
 from attn_callbacks.images import Images
 from attn_callbacks.probe import Probe
 from attn_callbacks.streams import Streams
-from attn_callbacks.summary import attention_mass, summarize
+from attn_callbacks.summary import ModuleSummary, attention_mass, summarize
 from attn_callbacks.tables import module_tables, top_tokens
-from attn_callbacks.writer import Painter, log_heads, log_layer, tensorboard_writer
+from attn_callbacks.writer import Painter, add_layout, log_heads, log_layer, tensorboard_writer
 
 __all__ = ["Reporter"]
 
@@ -50,6 +51,8 @@ class Reporter:
         self.images = Images(color_scale)
         self.painter = Painter()
         self._ranks: dict[tuple[str, str, str], Tensor] = {}  # the last PageRank per (module, prefix, suffix)
+        self._layouts: dict[str, dict[str, Any]] = {}  # TensorBoard run -> prefix -> the custom-scalars layout part
+        self._logged: dict[tuple[str, str], dict[str, list[str]]] = {}  # (run, prefix) -> metric -> modules
         self._warned: set[str] = set()
 
     def warn_once(self, key: str, message: str) -> None:
@@ -89,6 +92,8 @@ class Reporter:
         loaders = 1 + max(idx for _, idx in per_loader)
         derived: dict[str, dict[str, Tensor]] = {}
         heads: dict[tuple[str, str], Tensor] = {}  # every module's per-head scalars, logged in one call
+        grids: dict[str, dict[str, dict[str, Tensor]]] = {}  # suffix -> metric -> module -> (H,) values
+        logged: dict[str, list[str]] = {}  # metric -> the modules (tag names) logging it
         pl_module, step = trainer.lightning_module, trainer.global_step
         finished = False
         try:
@@ -99,12 +104,50 @@ class Reporter:
                     views += [(per_loader[(name, k)], False, f"/dataloader_idx_{k}", None) for k in range(loaders)]
                 for view, is_drift, suffix, keep in views:
                     where = dict(prefix=prefix, step=step, drift=is_drift, suffix=suffix, derived=keep)
-                    heads.update(self.module(pl_module, writer, name, self.streams.of[name], view, **where))
+                    summary = self.module(pl_module, writer, name, self.streams.of[name], view, **where)
+                    if summary is None:
+                        continue
+                    layer = name or "attention"
+                    for key in summary.layer:
+                        if layer not in logged.setdefault(key, []):
+                            logged[key].append(layer)
+                    if self.per_head:
+                        for key, values in summary.heads.items():
+                            heads[(head_tag(prefix, key, layer), suffix)] = values
+                            grids.setdefault(suffix, {}).setdefault(key, {})[name] = values
             log_heads(trainer, heads)
+            if writer is not None:
+                self._dashboard(writer, grids, logged, prefix, step)
             finished = True
         finally:
             self.painter.finish(raise_errors=finished)
         return derived
+
+    def _dashboard(
+        self,
+        writer: Any,
+        grids: dict[str, dict[str, dict[str, Tensor]]],
+        logged: dict[str, list[str]],
+        prefix: str,
+        step: int,
+    ) -> None:
+        """The head grid images of every per-head metric, and the custom-scalars layout when it has grown."""
+        for suffix, metrics in grids.items():
+            for key, values in metrics.items():
+                square = {name: self.streams.of[name][0] == self.streams.of[name][1] for name in values}
+                image = self.images.metric_grid(grid_tag(prefix, key), key, values, square, suffix)
+                self.painter.image(writer, grid_tag(prefix, key) + suffix, image, step)
+        run = _run_of(writer)
+        seen = self._logged.setdefault((run, prefix), {})  # every epoch's modules: a layout never loses a chart
+        for key, layers in logged.items():
+            known = seen.setdefault(key, [])
+            known += [layer for layer in layers if layer not in known]
+        layouts = self._layouts.setdefault(run, {})  # prefix -> its part: test epochs add theirs to the same run
+        layout = scalars_layout(prefix, seen, self.per_head)
+        if layouts.get(prefix) != layout:
+            layouts[prefix] = layout
+            merged = {category: charts for part in layouts.values() for category, charts in part.items()}
+            self.painter.submit(lambda: add_layout(writer, merged, step))
 
     def _reuse_spare_memory(self, merged: dict[str, AttentionStats]) -> None:
         """Compute each module's ``P`` into the memory of a retired drift snapshot, where there is one. Only on the
@@ -129,12 +172,12 @@ class Reporter:
         drift: bool,
         suffix: str = "",
         derived: dict[str, dict[str, Tensor]] | None = None,
-    ) -> dict[tuple[str, str], Tensor]:
-        """Log one module's scalars, images and tables; return its per-head scalars, ``(tag, suffix) -> (H,)``, for
-        :func:`~attn_callbacks.writer.log_heads`. With ``derived``, what drift memory keeps of this epoch's numbers
+    ) -> ModuleSummary | None:
+        """Log one module's scalars, images and tables; return its numbers (None when it saw no query token), whose
+        per-head ones the caller logs. With ``derived``, what drift memory keeps of this epoch's numbers
         (``row_plogp``, ``mean_mass`` on the CPU) goes there."""
         if int(stats.query_count.sum()) == 0:
-            return {}  # nothing seen by this module (or this dataloader): no numbers to log
+            return None  # nothing seen by this module (or this dataloader): no numbers to log
         layer = name or "attention"
         square = streams[0] == streams[1]
         mass_heads = stats.attention_mass  # (H, Vq, Vk)
@@ -157,15 +200,13 @@ class Reporter:
         sum_mean = mass * stats.query_count[:, None].to(mass.dtype)
         if derived is not None:
             derived[name] = {"row_plogp": summary.plogp_heads.cpu(), "mean_mass": mass.cpu()}
-        log_layer(pl_module, {f"{prefix}_{key}/{layer}{suffix}": value for key, value in summary.layer.items()})
+        log_layer(pl_module, {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()})
         self._warn(name, summary.heads.get("position/entropy_normalized"), stats)
         if writer is not None:
             self._draw(
                 writer, name, layer, streams, stats, mass, sum_mean, reference, summary.drifts, step, prefix, suffix
             )
-        if not self.per_head:
-            return {}
-        return {(f"{prefix}_{key}/{layer}", suffix): values for key, values in summary.heads.items()}
+        return summary
 
     def _warn(self, name: str, entropy_normalized: Tensor | None, stats: AttentionStats) -> None:
         if self.entropy_collapse_threshold > 0 and entropy_normalized is not None:
@@ -266,3 +307,9 @@ class Reporter:
             q_labels = self.streams.batch_label(q_ids[q_pos].tolist(), streams[0])
             samples.append((q_pos, k_pos, q_labels, self.streams.batch_label(k_ids[k_pos].tolist(), streams[1])))
         return self.images.probe_maps(f"{prefix}_probe/{layer}", layer, weights, samples)
+
+
+def _run_of(writer: Any) -> str:
+    """The TensorBoard run a writer writes: its folder."""
+    log_dir = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
+    return str(log_dir) if log_dir is not None else str(id(writer))

@@ -17,12 +17,22 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import custom_scalars
 
 from attn_callbacks.accumulate import AttentionStats
 from attn_callbacks.export import save_epoch
 from attn_callbacks.streams import Streams
 
-__all__ = ["Painter", "add_image", "export_epoch", "log_heads", "log_layer", "png_bytes", "tensorboard_writer"]
+__all__ = [
+    "Painter",
+    "add_image",
+    "add_layout",
+    "export_epoch",
+    "log_heads",
+    "log_layer",
+    "png_bytes",
+    "tensorboard_writer",
+]
 
 # Images waiting for the writer thread, at most: drawing may outrun PNG encoding, and each is megabytes.
 MAX_PENDING = 4
@@ -84,7 +94,8 @@ def log_layer(pl_module: LightningModule, scalars: dict[str, Tensor]) -> None:
 
 
 def log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
-    """Per-head scalars (``heads``: ``(tag, suffix)`` -> ``(H,)`` values, logged as ``{tag}/head_{h}{suffix}``)
+    """Per-head scalars (``heads``: ``(tag, suffix)`` -> ``(H,)`` values, logged as ``{tag}/head_{h}{suffix}``, the
+    tag from :func:`~attn_callbacks.dashboard.head_tag`)
     straight to every logger of the Trainer in one call, from global rank 0, with ``epoch`` and at the step, as
     Lightning logs the layer scalars that went through ``LightningModule.log`` in the same hook (a CSV gets one row of
     them per epoch end).
@@ -126,6 +137,15 @@ def add_image(writer: Any, tag: str, image: Any, step: int) -> None:
     height, width = image.shape[:2]
     picture = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png_bytes(image))
     writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
+
+
+def add_layout(writer: Any, layout: dict[str, dict[str, list]], step: int) -> None:
+    """Write TensorBoard's custom-scalars layout (``SummaryWriter.add_custom_scalars``'s format) at ``step``: the
+    plugin shows the last one a run wrote."""
+    if not isinstance(writer, SummaryWriter):  # tensorboardX's has its own
+        writer.add_custom_scalars(layout)
+        return
+    writer._get_file_writer().add_summary(custom_scalars(layout), step)
 
 
 def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:

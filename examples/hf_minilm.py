@@ -10,7 +10,9 @@ contrastive loss). Validation runs both halves through one forward pass, which `
     python examples/hf_minilm.py            # then: tensorboard --logdir runs
 
 In TensorBoard: SCALARS ``attention_position/sink_mass/model.encoder.layer.*`` (share of attention parked on [CLS] and
-[SEP], per layer and head), IMAGES ``attention_mass/...`` (bright [CLS] / [SEP] columns are the sinks).
+[SEP], per layer; per head under ``attention_position_heads/sink_mass/...``), IMAGES
+``attention_heads/position_sink_mass`` (every layer × head at once) and ``attention_mass/...`` (bright [CLS] / [SEP]
+columns are the sinks), CUSTOM SCALARS (one chart per layer with all 12 heads).
 """
 
 from __future__ import annotations

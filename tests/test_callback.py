@@ -107,7 +107,14 @@ def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_pat
     layers = ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
     every_epoch = ("mass", "mass_heads", "asymmetry_map", "lift_map")
     kinds = (*every_epoch, "drift_map")
-    assert sorted(events.Tags()["images"]) == sorted(f"attention_{k}/{layer}" for k in kinds for layer in layers)
+    position = ("entropy", "entropy_normalized", "self", "previous", "next", "distance")
+    grids = [f"attention_heads/{m}" for m in ("entropy", "asymmetry", "lift", *(f"position_{s}" for s in position))]
+    drift_grids = [f"attention_heads/drift_{kind}_{which}" for kind in ("js", "frobenius") for which in ("prev", "ref")]
+    assert sorted(events.Tags()["images"]) == sorted(
+        [f"attention_{k}/{layer}" for k in kinds for layer in layers] + grids + drift_grids
+    )
+    for tag in grids + drift_grids:
+        assert len(events.Images(tag)) == (1 if "drift" in tag else 2)
     for layer in layers:
         for kind in kinds:
             images = events.Images(f"attention_{kind}/{layer}")
@@ -125,9 +132,11 @@ def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_pat
             if name != "skipped_rows":  # a per-layer count, no head
                 for h in range(2):
                     # Straight to the loggers, at the layer scalar's steps; not in callback_metrics.
-                    steps = [e.step for e in events.Scalars(f"attention_{name}/{layer}/head_{h}")]
+                    family, _, metric = f"{name}/".partition("/")
+                    head = f"attention_{family}_heads/{metric}{layer}/head_{h}"
+                    steps = [e.step for e in events.Scalars(head)]
                     assert steps == [e.step for e in events.Scalars(f"attention_{name}/{layer}")]
-                    assert f"attention_{name}/{layer}/head_{h}" not in t.callback_metrics
+                    assert head not in t.callback_metrics
         for table, count in (("one_way_pairs", 2), ("lift_pairs", 2), ("hubs", 2), ("drift_tokens", 1)):
             text = events.Tensors(f"attention_{table}/{layer}/text_summary")  # add_text's own suffix
             assert len(text) == count and text[-1].tensor_proto.string_val[0].startswith(b"| ")
@@ -257,7 +266,8 @@ def test_callback_per_head_scalars_skip_the_sanity_check_like_lightnings_own_sca
     events.Reload()
     layer = "attention_entropy/encoder.layers.0.self_attn"
     assert len(events.Scalars(layer)) == 1  # epoch 0 only: Lightning drops what the sanity check logs
-    assert [e.step for e in events.Scalars(f"{layer}/head_1")] == [events.Scalars(layer)[0].step]
+    head = "attention_entropy_heads/encoder.layers.0.self_attn/head_1"
+    assert [e.step for e in events.Scalars(head)] == [events.Scalars(layer)[0].step]
 
 
 def test_callback_scalars_reach_csv_and_tensorboard_with_the_same_values_and_images_only_tensorboard(tmp_path):
@@ -279,7 +289,7 @@ def test_callback_scalars_reach_csv_and_tensorboard_with_the_same_values_and_ima
         assert [s for s, _ in from_csv] == [s for s, _ in from_tb], tag
         assert [v for _, v in from_csv] == pytest.approx([v for _, v in from_tb], rel=1e-6, abs=1e-7), tag
     # All per-head scalars of an epoch end are one CSV row, with its epoch, as Lightning writes the layer scalars.
-    heads = [tag for tag in ours if "/head_" in tag and "_drift/" not in tag]  # drift only from the second epoch
+    heads = [tag for tag in ours if "/head_" in tag and "_drift_" not in tag]  # drift only from the second epoch
     head_rows = [row for row in rows if any(row[tag] != "" for tag in heads)]
     assert len(heads) > 10 and [row["epoch"] for row in head_rows] == ["0", "1"]
     assert all(row[tag] != "" for row in head_rows for tag in heads)
@@ -584,7 +594,7 @@ def last_scalars(log_dir, part=""):
 
 
 def drift_scalars(log_dir):
-    return last_scalars(log_dir, "_drift/")
+    return {**last_scalars(log_dir, "_drift/"), **last_scalars(log_dir, "_drift_heads/")}
 
 
 def checkpointed_fit(tmp_path, name, max_epochs, ckpt_path=None):
@@ -662,8 +672,9 @@ def test_callback_sink_mass_and_position_statistics_of_a_model_forced_onto_token
         "distance": sum(range(LENGTH)) / LENGTH,  # row i looks |i - 0| = i away
     }
     for stat, value in expected.items():
-        for suffix in ("", "/head_0", "/head_1"):
-            assert math.isclose(logged[f"attention_position/{stat}/attn{suffix}"], value, abs_tol=1e-6), stat
+        for tag in ("attention_position/{}/attn", "attention_position_heads/{}/attn/head_0", "{}/attn/head_1"):
+            tag = tag if tag.startswith("attention") else f"attention_position_heads/{tag}"
+            assert math.isclose(logged[tag.format(stat)], value, abs_tol=1e-6), stat
     # The mask leaves one visible key per row, so uniform attention would do the same: lift exactly 1.
     assert math.isclose(logged["attention_lift/attn"], 1.0, rel_tol=1e-6)
     stats = monitor.last["attn"]

@@ -244,11 +244,13 @@ def test_ddp_spawn_images_and_text_written_by_global_rank_zero_only(spawn_runs):
     want, got = events(single), events(ddp)
     assert sorted(got.Tags()["images"]) == sorted(want.Tags()["images"])
     assert sorted(got.Tags()["tensors"]) == sorted(want.Tags()["tensors"])  # add_text tables
-    assert len(got.Tags()["images"]) == len(LAYERS) * 5  # mass, mass_heads, asymmetry_map, lift_map, drift_map
+    grids = [tag for tag in got.Tags()["images"] if tag.startswith("attention_heads/")]
+    assert len(got.Tags()["images"]) - len(grids) == len(LAYERS) * 5  # mass, mass_heads, asymmetry, lift, drift maps
+    assert len(grids) == 13  # entropy, asymmetry, lift, 6 position statistics, 4 drift
     for tag in got.Tags()["images"]:
         steps = [e.step for e in got.Images(tag)]
         assert steps == [e.step for e in want.Images(tag)], tag
-        assert len(steps) == (EPOCHS - 1 if "drift_map" in tag else EPOCHS) and max(Counter(steps).values()) == 1
+        assert len(steps) == (EPOCHS - 1 if "drift" in tag else EPOCHS) and max(Counter(steps).values()) == 1
     for tag in got.Tags()["tensors"]:
         steps = [e.step for e in got.Tensors(tag)]
         assert steps == [e.step for e in want.Tensors(tag)] and max(Counter(steps).values()) == 1, tag

@@ -57,6 +57,10 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_me
     )
     again = cache.heatmap(second, labels, labels, "T", "P")  # reused figure, new data and colour scale
     assert np.array_equal(again, figure_to_array(figures.heatmap(second, labels, labels, "T", "P")))
+    # numbers of another width: the colour bar's label moves with them, as in a fresh render
+    tiny_scale = cache.heatmap(first * 1e-5, labels, labels, "T", "another label")
+    fresh = figure_to_array(figures.heatmap(first * 1e-5, labels, labels, "T", "another label"))
+    assert np.array_equal(tiny_scale, fresh)
     # another layer's map (same tokens, another title of the same length): the same figure, its own title
     other_layer = cache.heatmap(second, labels, labels, "U", "P")
     assert np.array_equal(other_layer, figure_to_array(figures.heatmap(second, labels, labels, "U", "P")))
@@ -215,7 +219,7 @@ def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(dive
 
 
 @pytest.mark.parametrize(("diverging", "limit"), [(False, 0.213), (True, 1.23e-05), (True, 1.23e100)])
-def test_colour_bar_reads_its_scale_at_five_marks_over_the_colour_map_and_its_label_never_overlaps(diverging, limit):
+def test_colour_bar_reads_its_scale_at_five_marks_and_its_label_sits_beside_the_numbers(diverging, limit):
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -238,6 +242,7 @@ def test_colour_bar_reads_its_scale_at_five_marks_over_the_colour_map_and_its_la
     label_box = label.get_window_extent(renderer)
     assert all(_inside(figure, box) for box in [*boxes, label_box])
     assert _no_overlap(boxes, "y") and all(box.x1 < label_box.x0 for box in boxes)
+    assert label_box.x0 - max(box.x1 for box in boxes) < 12  # next to the numbers, not far right of them
     cmap = colormaps["RdBu_r" if diverging else "viridis"]
     for fraction in (0.05, 0.3, 0.5, 0.7, 0.95):  # the colour at a height is the colour map at that fraction
         x, y = bar.transAxes.transform((0.5, fraction))

@@ -178,7 +178,8 @@ def test_hf_monitor_logs_scalars_images_and_tokenizer_labels(tmp_path):
     assert f"attention_mass_heads/{layer}" in events.Tags()["images"]
     sink = events.Scalars(f"attention_position/sink_mass/{layer}")
     assert len(sink) == 1 and 0 < sink[0].value < 1
-    assert len(events.Scalars(f"attention_position/sink_mass/{layer}/head_{HEADS - 1}")) == 1
+    assert len(events.Scalars(f"attention_position_heads/sink_mass/{layer}/head_{HEADS - 1}")) == 1
+    assert len(events.Images("attention_heads/position_sink_mass")) == 1
     hubs = events.Tensors(f"attention_hubs/{layer}/text_summary")[0].tensor_proto.string_val[0].decode()
     tokens = [row.split("|")[1].strip() for row in hubs.splitlines()[2:]]  # first column: the hub tokens
     assert tokens and set(tokens) <= set(WORDS) - {"[PAD]"}  # the tokenizer's tokens, not bare ids

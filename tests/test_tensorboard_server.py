@@ -6,7 +6,10 @@ port of 127.0.0.1 over that log directory, and reads its HTTP data API (the rout
 six attention modules of the toy ``nn.Transformer`` is there (and that asymmetry and sink tags are left out where
 they do not apply); that every callback tag has exactly one point per monitored validation epoch (2; drift tags only
 from the second epoch, so 1), at the same steps as the model's own ``val_acc`` for scalars and at
-``trainer.global_step`` for images; and that an image served by ``/data/plugin/images/individualImage`` is a PNG.
+``trainer.global_step`` for images; that an image (a heatmap, a head grid) served by
+``/data/plugin/images/individualImage`` is a PNG; that no Scalars-tab section mixes per-head and layer charts; and
+that every chart of the custom-scalars layout (``/data/plugin/custom_scalars/layout``) finds tags through the
+plugin's own ``/scalars`` route, each per-head chart one module's heads, together covering every per-head tag.
 The server is always terminated, and its log is in the failure message when it does not come up.
 """
 
@@ -47,7 +50,9 @@ MODEL_SCALARS = {"train_loss", "train_acc", "val_loss", "val_acc", "epoch"}  # t
 
 
 def _with_heads(tag: str) -> list[str]:
-    return [tag, *(f"{tag}/head_{h}" for h in range(HEADS))]
+    """A layer tag and its per-head series, which live in the family's ``_heads`` section."""
+    family, rest = tag.split("/", 1)
+    return [tag, *(f"{family}_heads/{rest}/head_{h}" for h in range(HEADS))]
 
 
 def expected_scalars() -> tuple[set[str], set[str]]:
@@ -78,6 +83,10 @@ def expected_images() -> tuple[set[str], set[str]]:
     every |= {f"attention_probe/{m}/sample_0" for m in MODULES}  # probe="first", probe_samples=1
     every |= {f"attention_asymmetry_map/{m}" for m in SQUARE}
     drift = {f"attention_drift_map/{m}" for m in MODULES}
+    # One head grid per per-head metric (sink_mass: the decoder's self-attention has sink ids).
+    position = ("entropy", "entropy_normalized", "self", "previous", "next", "distance", "sink_mass")
+    every |= {f"attention_heads/{m}" for m in ("entropy", "asymmetry", "lift", *(f"position_{p}" for p in position))}
+    drift |= {f"attention_heads/drift_{kind}_{which}" for kind in ("js", "frobenius") for which in ("prev", "ref")}
     return every, drift
 
 
@@ -197,8 +206,9 @@ def test_tensorboard_server_serves_the_toy_translation_run(tmp_path):
 
         every_scalar, drift_scalar = expected_scalars()
         assert not MODEL_SCALARS - scalar_tags, f"model scalars missing: {sorted(MODEL_SCALARS - scalar_tags)}"
-        not_applicable = {f"attention_asymmetry/{m}" for m in CROSS} | {
-            f"attention_position/sink_mass/{m}" for m in ENCODER_SELF + CROSS
+        not_applicable = {
+            *(tag for m in CROSS for tag in _with_heads(f"attention_asymmetry/{m}")),
+            *(tag for m in ENCODER_SELF + CROSS for tag in _with_heads(f"attention_position/sink_mass/{m}")),
         }
         _check_tags("scalar", scalar_tags, every_scalar, drift_scalar, not_applicable)
         every_image, drift_image = expected_images()
@@ -235,7 +245,31 @@ def test_tensorboard_server_serves_the_toy_translation_run(tmp_path):
                 wrong[tag] = (steps, want)
         assert not wrong, f"image steps (found, expected): {wrong}"
 
-        for tag in (f"attention_mass/{CROSS[-1]}", f"attention_drift_map/{ENCODER_SELF[0]}"):
+        # The Scalars tab groups charts by the text before the first "/": no section mixes per-head and other charts.
+        sections: dict[str, set[bool]] = {}
+        for tag in scalar_tags:
+            sections.setdefault(tag.split("/")[0], set()).add("/head_" in tag)
+        assert not [name for name, kinds in sections.items() if len(kinds) > 1], sections
+
+        # The custom-scalars layout: every chart's regexes, as the plugin applies them, find tags; together they
+        # cover every per-head tag, and each per-head chart shows one module's heads of one metric.
+        layout = server.get_json("/data/plugin/custom_scalars/layout")
+        charts = [chart for category in layout["category"] for chart in category["chart"]]
+        covered: set[str] = set()
+        for chart in charts:
+            for regex in chart["multiline"]["tag"]:
+                found = server.get_json("/data/plugin/custom_scalars/scalars", run=RUN, tag=regex)
+                assert found["regex_valid"] and found["tag_to_events"], (chart["title"], regex)
+                covered |= found["tag_to_events"].keys()
+                if "/head_" in regex:
+                    modules = {tag.rsplit("/", 2)[-2] for tag in found["tag_to_events"]}
+                    assert len(found["tag_to_events"]) == HEADS and len(modules) == 1, (regex, found.keys())
+        heads = {tag for tag in scalar_tags if "/head_" in tag}
+        assert heads and not heads - covered, sorted(heads - covered)
+        titles = [category["title"] for category in layout["category"]]
+        assert "attention overview" in titles and "attention heads: position/entropy" in titles
+
+        for tag in (f"attention_mass/{CROSS[-1]}", f"attention_drift_map/{ENCODER_SELF[0]}", "attention_heads/lift"):
             query = series[tag][-1]["query"]  # an opaque query string for individualImage, e.g. "blob_key=..."
             png = server.get(f"/data/plugin/images/individualImage?{query}")
             assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000, f"{tag}: not a PNG: {png[:32]!r}"
