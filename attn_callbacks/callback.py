@@ -13,9 +13,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from typing_extensions import override
 
-from attn_callbacks import config, hf
+from attn_callbacks import config
 from attn_callbacks.accumulate import EpochSums
-from attn_callbacks.capture import AttentionCapture, find_attention_modules, module_device, num_heads
+from attn_callbacks.capture import AttentionCapture, find_attention_modules, module_device, num_heads, output_indices
 from attn_callbacks.config import Tokenizer, TokenSource
 from attn_callbacks.drift import DriftMemory
 from attn_callbacks.probe import Probe
@@ -211,6 +211,7 @@ class AttentionMonitor(Callback):
         self._dataloader_idx = 0
         self._stage_prefix = self.prefix  # f"{prefix}_test" while a test epoch is monitored
         self._active = False  # this evaluation epoch is monitored (the hooks may be off for the batches past a limit)
+        self._monitored_batches = 0  # batches of this epoch run with the hooks attached
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.
@@ -244,7 +245,7 @@ class AttentionMonitor(Callback):
             self._streams.check_sinks()
         except ValueError as err:
             raise MisconfigurationException(f"AttentionMonitor: {err}") from err
-        self._capture = AttentionCapture(self._attention, self._consume, output_index=hf.attention_outputs(pl_module))
+        self._capture = AttentionCapture(self._attention, self._consume, output_index=output_indices(pl_module))
         self._sums.check_budget(self._shapes(), loaders=1)  # fails before training; again with the real loaders
 
     @override
@@ -271,6 +272,7 @@ class AttentionMonitor(Callback):
             self._capture.detach()  # past the limit: the rest of this loader runs with the fast path
         else:
             self._capture.attach()  # a no-op unless a new loader starts after a limit
+            self._monitored_batches += 1
             # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
             ids = {stream: self._streams.read(stream, pl_module.device)[2] for stream in self._streams.used()}
             first = batch_idx == 0 and dataloader_idx == 0 and not (trainer.sanity_checking or trainer.testing)
@@ -293,12 +295,20 @@ class AttentionMonitor(Callback):
         finally:
             self._release()
         per_loader, merged = self._sums.collect()  # a collective under DDP
+        silent = self._warn_silent_modules()
         if not any(int(stats.query_count.sum()) for stats in merged.values()):
-            self._report.warn_once(
-                "empty",
-                "AttentionMonitor: no valid query token was seen in this epoch (empty dataloaders, or every id in "
-                "`ignore_ids`), so nothing is logged for it.",
-            )
+            if not self._monitored_batches:
+                self._report.warn_once(
+                    "no_batches",
+                    "AttentionMonitor: no validation batch ran in this monitored epoch (empty dataloaders?), so "
+                    "nothing is logged for it.",
+                )
+            elif len(silent) < len(self._attention):  # some module ran: its every query token was ignored
+                self._report.warn_once(
+                    "empty",
+                    "AttentionMonitor: no valid query token was seen in this epoch (every id in `ignore_ids`?), so "
+                    "nothing is logged for it.",
+                )
         else:
             derived = self._report.epoch(trainer, per_loader, merged, self._stage_prefix, drift_epoch)
             if drift_epoch:
@@ -369,8 +379,32 @@ class AttentionMonitor(Callback):
             self._sums.start(self._shapes(), devices, max(len(batches), 1))
         self._schedule.check_loaders(loaders)
         self._probe.weights.clear()
+        self._capture.reset_calls()
+        self._monitored_batches = 0
         self._capture.attach()
         self._active = True
+
+    def _warn_silent_modules(self) -> list[str]:
+        """Warn (once per set of names) when hooked modules never ran in the epoch's monitored batches; return them."""
+        calls = self._capture.calls if self._capture is not None else {}
+        silent = [name for name, count in calls.items() if count == 0]
+        if silent and self._monitored_batches:
+            has_stance = hasattr(torch.compiler, "set_stance")
+            cause = (
+                "a compiled graph that skips module hooks: this torch has no `torch.compiler.set_stance` to run it "
+                "eagerly while monitored, so set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before "
+                "compiling"
+                if not has_stance
+                else "code run outside the LightningModule's modules (a copy of the model, a compiled function "
+                "that does not call the modules' forward)"
+            )
+            self._report.warn_once(
+                f"silent:{','.join(silent)}",
+                f"AttentionMonitor: attention module(s) {', '.join(map(repr, silent))} were hooked for "
+                f"{self._monitored_batches} monitored validation batch(es) but never ran, so nothing was seen of "
+                f"them. Either validation_step does not call them (leave them out with `modules=`), or {cause}.",
+            )
+        return silent
 
     def _reset_sums(self) -> None:
         self._sums.reset()

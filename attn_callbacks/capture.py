@@ -25,7 +25,17 @@ from torch.utils.hooks import RemovableHandle
 
 from attn_callbacks import hf
 
-__all__ = ["AttentionCapture", "capture_attention", "find_attention_modules", "module_device", "num_heads"]
+__all__ = [
+    "WRAPPER_PARTS",
+    "AttentionCapture",
+    "capture_attention",
+    "clean_name",
+    "find_attention_modules",
+    "module_device",
+    "named_modules",
+    "num_heads",
+    "output_indices",
+]
 
 WeightsConsumer = Callable[[str, nn.Module, Tensor], None]
 
@@ -55,17 +65,74 @@ class _FastpathOff:
             torch.backends.mha.set_fastpath_enabled(cls.before)
 
 
+class _EagerCompile:
+    """``torch.compiler.set_stance("force_eager")`` held while any capture is attached, so that compiled modules run
+    eagerly and call the hooks (a graph dynamo compiled before the hooks existed would skip them, as it does not guard
+    on module hooks by default); the stance before is restored by the last capture to detach. The user's compiled
+    graphs are kept: nothing is recompiled when the stance returns. A no-op where torch has no ``set_stance``."""
+
+    holders = 0
+    stance: Any = None  # the context object of the stance we set: its exit restores the one before
+
+    @classmethod
+    def hold(cls) -> None:
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if cls.holders == 0 and set_stance is not None:
+            try:
+                cls.stance = set_stance("force_eager")
+            except RuntimeError:  # called inside a compiled region: leave the stance alone
+                cls.stance = None
+        cls.holders += 1
+
+    @classmethod
+    def release(cls) -> None:
+        if cls.holders == 0:
+            return
+        cls.holders -= 1
+        if cls.holders == 0 and cls.stance is not None:
+            stance, cls.stance = cls.stance, None
+            stance.__exit__(None, None, None)
+
+
+#: Parts that wrappers insert into ``named_modules()`` names: ``torch.compile``'s ``OptimizedModule``, activation
+#: checkpointing's ``CheckpointWrapper`` and FSDP1's ``FullyShardedDataParallel``. They never reach a tag.
+WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def clean_name(name: str) -> str:
+    """A module name without the parts wrappers insert (:data:`WRAPPER_PARTS`): compiling, checkpointing or sharding
+    a model does not rename its tags.
+
+    Example:
+        >>> clean_name("enc._orig_mod.layers.0._checkpoint_wrapped_module.self_attn")
+        'enc.layers.0.self_attn'
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def named_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``model.named_modules()`` by :func:`clean_name`; where a wrapper and the module it wraps get one name, the
+    wrapped module (it comes later)."""
+    return {clean_name(name): module for name, module in model.named_modules()}
+
+
+def output_indices(model: nn.Module) -> dict[str, int]:
+    """:func:`attn_callbacks.hf.attention_outputs` by :func:`clean_name`."""
+    return {clean_name(name): index for name, index in hf.attention_outputs(model).items()}
+
+
 _HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads")  # MHA, BERT / RoBERTa, DistilBERT
 
 
 def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = None) -> dict[str, nn.Module]:
-    """Every attention module in ``model`` by its ``named_modules()`` name, optionally filtered: each
-    ``nn.MultiheadAttention``, and each Hugging Face attention module (BERT family, ``attn_callbacks[hf]``).
+    """Every attention module in ``model`` by its ``named_modules()`` name without wrapper parts (:func:`clean_name`),
+    optionally filtered: each ``nn.MultiheadAttention``, and each Hugging Face attention module (BERT family,
+    ``attn_callbacks[hf]``).
 
     Args:
         model: the model to search.
-        patterns: fnmatch patterns over module names (``"encoder.layers.*.self_attn"``); a module is kept when any
-            pattern matches. ``None`` keeps all.
+        patterns: fnmatch patterns over (clean) module names (``"encoder.layers.*.self_attn"``); a module is kept when
+            any pattern matches. ``None`` keeps all.
 
     Raises:
         ValueError: no attention module found or kept, or a pattern matches only modules that are not attention
@@ -77,8 +144,8 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
         >>> list(find_attention_modules(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)))
         ['layers.0.self_attn', 'layers.1.self_attn']
     """
-    named = dict(model.named_modules())
-    hf_modules = hf.attention_outputs(model)
+    named = named_modules(model)
+    hf_modules = output_indices(model)
     found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
     if not found:
         raise ValueError(
@@ -163,37 +230,53 @@ class AttentionCapture:
         self.output_index = dict(output_index or {})
         self._handles: list[RemovableHandle] = []
         self._holds_fastpath = False
+        self._holds_eager = False
+        self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # hooked calls per module, until reset_calls()
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
         self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickle) is detached: hooks and the hold on the fast path stay with this one."""
-        return {**self.__dict__, "_handles": [], "_holds_fastpath": False, "_requested": defaultdict(list)}
+        return {
+            **self.__dict__,
+            "_handles": [],
+            "_holds_fastpath": False,
+            "_holds_eager": False,
+            "_requested": defaultdict(list),
+        }
 
     @property
     def attached(self) -> bool:
         """Whether hooks are currently registered (or the fast path is held off)."""
-        return bool(self._handles) or self._holds_fastpath
+        return bool(self._handles) or self._holds_fastpath or self._holds_eager
+
+    def reset_calls(self) -> None:
+        """Start counting hooked calls per module (:attr:`calls`) from 0."""
+        self.calls = dict.fromkeys(self.modules, 0)
 
     def attach(self) -> AttentionCapture:
-        """Register the hooks and switch the fast path off. Attaching twice is a no-op."""
+        """Register the hooks, switch the fast path off and have compiled code run eagerly (``torch.compiler``'s
+        ``force_eager`` stance, so that its modules call the hooks). Attaching twice is a no-op."""
         if self.attached:
             return self
         try:
             if self.disable_fastpath:
                 _FastpathOff.hold()
                 self._holds_fastpath = True
+            _EagerCompile.hold()
+            self._holds_eager = True
             for name, module in self.modules.items():
                 if isinstance(module, nn.MultiheadAttention):
-                    self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+                    pre_hook = _never_traced(self._pre_hook(name))
+                    self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
                     # Prepended: forward hooks then run in the reverse order of their pre-hooks, so with two captures
                     # attached (two monitors on one Trainer) the later one reads the weights before the earlier one,
                     # which saw the caller's own request, hands back what the caller asked for; and hooks the user
                     # registered before see the output they would see without us.
-                    hook = self._hook(name, module)
+                    hook = _never_traced(self._hook(name, module))
                     self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
                 else:
-                    self._handles.append(module.register_forward_hook(self._read_hook(name)))
+                    self._handles.append(module.register_forward_hook(_never_traced(self._read_hook(name))))
         except BaseException:
             self.detach()
             raise
@@ -208,6 +291,9 @@ class AttentionCapture:
         if self._holds_fastpath:
             self._holds_fastpath = False
             _FastpathOff.release()
+        if self._holds_eager:
+            self._holds_eager = False
+            _EagerCompile.release()
 
     def __enter__(self) -> AttentionCapture:
         return self.attach()
@@ -235,6 +321,7 @@ class AttentionCapture:
             out, weights = output
             if weights is None:  # cannot happen with need_weights=True, but never hand None on
                 return (out, None) if not need_weights else output
+            self.calls[name] += 1
             self.consumer(name, module, weights)
             if not need_weights:
                 return out, None
@@ -249,9 +336,16 @@ class AttentionCapture:
             weights = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
             if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
                 raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
+            self.calls[name] += 1
             self.consumer(name, module, weights)
 
         return hook
+
+
+def _never_traced(hook: Callable) -> Callable:
+    """A hook dynamo calls but never traces: where a compiled graph runs the hooks after all (compiled while they
+    were attached), the monitor's code is a graph break at the hook, not graphs of its own."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 @contextmanager
@@ -279,5 +373,5 @@ def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) ->
     def keep(name: str, module: nn.Module, weights: Tensor) -> None:
         collected[name].append(weights.detach())
 
-    with AttentionCapture(find_attention_modules(model, modules), keep, output_index=hf.attention_outputs(model)):
+    with AttentionCapture(find_attention_modules(model, modules), keep, output_index=output_indices(model)):
         yield collected

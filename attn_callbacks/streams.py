@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
+from attn_callbacks.capture import named_modules
 from attn_callbacks.config import (
     Tokenizer,
     TokenLabels,
@@ -405,7 +406,7 @@ def resolve_streams(
                 f"Argument `attention_streams` maps pattern {pattern!r} to unknown stream(s) {unknown}; the streams "
                 f"of `token_ids` are {list(streams)}"
             )
-    named = dict(model.named_modules())
+    named = named_modules(model)  # clean names, as the modules are named
     resolved: dict[str, tuple[str, str]] = {}
     for name in modules:
         pair = next((tuple(p) for pattern, p in rules.items() if fnmatch.fnmatchcase(name, pattern)), None)

@@ -1347,3 +1347,56 @@ def test_callback_limit_batches_unhooks_after_n_batches_and_sums_only_those(tmp_
         trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", limit_batches=2)]).validate(model, shuffled)
     with pytest.raises(ValueError, match="`limit_batches` to be a positive integer, but got 0"):
         AttentionMonitor(VOCAB, "input_ids", limit_batches=0)
+
+
+class CompiledEncoder(TinyEncoder):
+    """TinyEncoder whose encoder is compiled (a submodule: its names get ``_orig_mod`` from torch.compile)."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.encoder = torch.compile(self.encoder, backend=backend)
+
+
+def fitted_scalars(tmp_path, name, model):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1)
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], logger=TensorBoardLogger(tmp_path, name=name), num_sanity_val_steps=2)
+    t.fit(model, train, val)  # the sanity check compiles the eval graph before any hook exists
+    assert no_hooks(model) and torch._dynamo.eval_frame._stance.stance == "default"
+    return last_scalars(t.logger.log_dir, "attention_")
+
+
+@pytest.mark.parametrize(
+    ("what", "backend"), [("submodule", "eager"), ("whole", "eager"), pytest.param("submodule", "inductor")]
+)
+def test_compiled_model_in_fit_with_the_sanity_check_logs_the_plain_models_tags_and_values(tmp_path, what, backend):
+    torch._dynamo.reset()
+    seed_everything(0)
+    expected = fitted_scalars(tmp_path, "plain", TinyEncoder())
+    seed_everything(0)
+    model = CompiledEncoder(backend) if what == "submodule" else torch.compile(TinyEncoder(), backend=backend)
+    got = fitted_scalars(tmp_path, "compiled", model)
+    assert got.keys() == expected.keys() and len(got) > 50  # the same names: no "_orig_mod"
+    for tag, value in expected.items():
+        assert math.isclose(got[tag], value, rel_tol=1e-5, abs_tol=1e-6), (tag, got[tag], value)
+
+
+class HalfUsed(TinyEncoder):
+    """Holds a second attention module that validation_step never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.MultiheadAttention(16, 2, batch_first=True)
+
+
+def test_hooked_modules_that_never_run_are_named_in_a_warning_and_the_empty_warning_needs_a_module_that_ran(tmp_path):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    _, val = loaders()
+    with pytest.warns(UserWarning, match=r"'unused' were hooked for 4 monitored validation batch\(es\) but never ran"):
+        trainer(tmp_path, [monitor]).validate(HalfUsed(), val, verbose=False)
+    # Every id ignored: the modules ran, nothing counted -> the "no valid query token" warning, no silent module.
+    everything = AttentionMonitor(VOCAB, "input_ids", ignore_ids=list(range(VOCAB)))
+    with pytest.warns(UserWarning, match="no valid query token") as caught:
+        trainer(tmp_path, [everything]).validate(TinyEncoder(), val, verbose=False)
+    assert not any("never ran" in str(w.message) for w in caught)

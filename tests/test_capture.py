@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from attn_callbacks.capture import AttentionCapture, capture_attention, find_attention_modules
+from attn_callbacks.capture import AttentionCapture, capture_attention, clean_name, find_attention_modules
 
 
 def encoder(batch_first=True, layers=2, nested=True):
@@ -194,3 +194,62 @@ def test_find_attention_modules_errors_name_the_pattern_and_model():
         find_attention_modules(model, ["layers.0.linear1"])
     with pytest.raises(ValueError, match="'nothing.*'.*matched no module"):
         find_attention_modules(model, ["nothing.*"])
+
+
+def _compiled_frames():
+    from torch._dynamo.utils import counters
+
+    return sum(counters["frames"].values())
+
+
+def test_a_module_compiled_before_the_hooks_existed_is_seen_and_keeps_its_graph_afterwards():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    plain = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    compiled = torch.compile(plain, backend="eager")
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        compiled(x)  # compiled now, without hooks: dynamo does not guard on hooks, so this graph would skip them
+        frames = _compiled_frames()
+        with capture_attention(compiled) as weights:
+            out = compiled(x)
+        assert list(weights) == ["layers.0.self_attn", "layers.1.self_attn"]  # no "_orig_mod" in the names
+        with capture_attention(plain) as expected:
+            plain(x)
+        for name in weights:
+            torch.testing.assert_close(weights[name][0], expected[name][0], rtol=0, atol=0)
+        torch.testing.assert_close(out, plain(x), rtol=1e-6, atol=1e-6)
+        assert torch._dynamo.eval_frame._stance.stance == "default"  # restored on detach
+        compiled(x)  # the graph compiled before runs again: nothing recompiled for good
+        assert _compiled_frames() == frames
+
+
+def test_the_eager_stance_is_restored_by_the_last_capture_to_detach_and_after_an_exception():
+    model = nn.MultiheadAttention(8, 2, batch_first=True)
+    first, second = AttentionCapture({"a": model}, lambda *a: None), AttentionCapture({"a": model}, lambda *a: None)
+    first.attach()
+    second.attach()
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+    first.detach()
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager"  # the second still reads
+    second.detach()
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+    with pytest.raises(ZeroDivisionError), capture_attention(model):
+        raise ZeroDivisionError
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_wrapper_parts_never_reach_a_name_and_patterns_match_the_clean_names():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    assert clean_name("enc._orig_mod.layers.0._checkpoint_wrapped_module.self_attn") == "enc.layers.0.self_attn"
+    assert clean_name("_fsdp_wrapped_module.layers.1.self_attn") == "layers.1.self_attn"
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    plain = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    wrapped = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    wrapped.layers = nn.ModuleList(checkpoint_wrapper(m) for m in wrapped.layers)
+    assert any("_checkpoint_wrapped_module" in name for name, _ in wrapped.named_modules())
+    holder = nn.Module()
+    holder.enc = torch.compile(wrapped, backend="eager")
+    assert list(find_attention_modules(holder)) == [f"enc.{name}" for name in find_attention_modules(plain)]
+    assert list(find_attention_modules(holder, ["enc.layers.1.*"])) == ["enc.layers.1.self_attn"]

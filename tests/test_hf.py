@@ -342,3 +342,43 @@ def test_hf_module_without_a_head_count_fails_in_setup_naming_it(tmp_path, monke
         monkeypatch.setattr(layer.attention.self, "config", types.SimpleNamespace(_attn_implementation="eager"))
     with pytest.raises(MisconfigurationException, match="number of heads of attention module 'model.encoder.layer.0"):
         validate(tmp_path, AttentionMonitor(VOCAB, "input_ids"), model)
+
+
+class Trained(Wrapper):
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state.mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # the weights stay: both runs see the same model
+
+
+def fitted_sums(root, model):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], export="pt")
+    trainer = Trainer(
+        default_root_dir=root,
+        accelerator="cpu",
+        max_epochs=2,
+        logger=TensorBoardLogger(root, name="tb"),
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    batches = DataLoader(make_batches(), batch_size=None)
+    trainer.fit(Trained(model), batches, batches)  # the default sanity check compiles before any hook exists
+    return [load_epoch(path) for path in sorted(Path(root).rglob("*.pt"))]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_hf_compiled_bert_in_fit_logs_the_plain_models_names_and_sums_every_epoch(tmp_path, backend):
+    torch._dynamo.reset()
+    want = fitted_sums(tmp_path / "plain", tiny())
+    got = fitted_sums(tmp_path / "compiled", torch.compile(tiny(), backend=backend))
+    assert len(got) == len(want) == 2  # every monitored epoch is seen
+    for expected, record in zip(want, got, strict=True):
+        names = [f"model.encoder.layer.{i}.attention.self" for i in range(LAYERS)]
+        assert list(record.modules) == list(expected.modules) == names  # no "_orig_mod"
+        for name, stats in expected.modules.items():
+            torch.testing.assert_close(record.modules[name].attention_sum, stats.attention_sum, rtol=1e-5, atol=1e-6)
+            assert torch.equal(record.modules[name].query_count, stats.query_count)
