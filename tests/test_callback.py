@@ -1368,7 +1368,7 @@ def fitted_scalars(tmp_path, name, model):
 
 
 @pytest.mark.parametrize(
-    ("what", "backend"), [("submodule", "eager"), ("whole", "eager"), pytest.param("submodule", "inductor")]
+    ("what", "backend"), [("submodule", "eager"), ("whole", "eager"), ("submodule", "inductor"), ("whole", "inductor")]
 )
 def test_compiled_model_in_fit_with_the_sanity_check_logs_the_plain_models_tags_and_values(tmp_path, what, backend):
     torch._dynamo.reset()
@@ -1378,6 +1378,26 @@ def test_compiled_model_in_fit_with_the_sanity_check_logs_the_plain_models_tags_
     model = CompiledEncoder(backend) if what == "submodule" else torch.compile(TinyEncoder(), backend=backend)
     got = fitted_scalars(tmp_path, "compiled", model)
     assert got.keys() == expected.keys() and len(got) > 50  # the same names: no "_orig_mod"
+    for tag, value in expected.items():
+        assert math.isclose(got[tag], value, rel_tol=1e-5, abs_tol=1e-6), (tag, got[tag], value)
+
+
+class Checkpointed(TinyEncoder):
+    """TinyEncoder with activation-checkpointed layers (their names get ``_checkpoint_wrapped_module``)."""
+
+    def __init__(self):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        super().__init__()
+        self.encoder.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in self.encoder.layers)
+
+
+def test_activation_checkpointed_model_logs_the_plain_models_tags_and_values(tmp_path):
+    seed_everything(0)
+    expected = fitted_scalars(tmp_path, "plain", TinyEncoder())
+    seed_everything(0)
+    got = fitted_scalars(tmp_path, "checkpointed", Checkpointed())
+    assert got.keys() == expected.keys() and len(got) > 50
     for tag, value in expected.items():
         assert math.isclose(got[tag], value, rel_tol=1e-5, abs_tol=1e-6), (tag, got[tag], value)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from _reference import spying
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader
@@ -83,9 +83,25 @@ class TinyModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def make_model():
+class ShardedModel(TinyModel):
+    """TinyModel sharded with FSDP2 (``fully_shard``) over ``ModelParallelStrategy``'s data-parallel mesh."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for module in (self.encoder, self.mix):
+            fully_shard(module, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def validation_step(self, batch, batch_idx):
+        assert type(self.mix).__name__ == "FSDPMultiheadAttention"  # really sharded (FSDP2 swaps the class)
+        super().validation_step(batch, batch_idx)
+
+
+def make_model(sharded=False):
     seed_everything(0)
-    return TinyModel()
+    return ShardedModel() if sharded else TinyModel()
 
 
 class Checked(AttentionMonitor):
@@ -153,9 +169,17 @@ def fit(root, strategy, devices, reference=None, export=None):
     ``compute()`` called on one rank only) fails the test in a minute instead of hanging CI for half an hour.
     """
     root = Path(root)
+    sharded = strategy == "fsdp2"
     if strategy in ("ddp_spawn", "ddp"):  # the registry's "ddp_spawn" is DDPStrategy(start_method="spawn")
         start = "spawn" if strategy == "ddp_spawn" else "popen"
         strategy = DDPStrategy(start_method=start, process_group_backend="gloo", timeout=timedelta(seconds=60))
+    elif sharded:
+        strategy = ModelParallelStrategy(
+            data_parallel_size=devices,
+            tensor_parallel_size=1,
+            process_group_backend="gloo",
+            timeout=timedelta(seconds=60),
+        )
     (root / "out").mkdir(parents=True, exist_ok=True)
     trainer = Trainer(
         default_root_dir=root,
@@ -171,7 +195,7 @@ def fit(root, strategy, devices, reference=None, export=None):
         enable_checkpointing=False,
     )
     with mock.patch.dict(os.environ):  # the spawn launcher sets MASTER_PORT here: keep it out of later tests
-        trainer.fit(make_model(), *loaders(devices))
+        trainer.fit(make_model(sharded), *loaders(devices))
 
 
 def events(root):
@@ -294,5 +318,23 @@ def test_ddp_spawn_export_saves_every_epoch_once_with_the_summed_stats(spawn_run
                 torch.testing.assert_close(got, expected[name][field], rtol=1e-6, atol=1e-6, msg=f"{name} {field}")
 
 
-if __name__ == "__main__":  # rank 0 of test_ddp_subprocess_launcher_matches_single_process, and rank 1 re-run
-    fit(sys.argv[1], "ddp", WORLD, reference=sys.argv[2])
+def test_fsdp2_model_parallel_strategy_matches_single_process(spawn_runs, tmp_path):
+    """``ModelParallelStrategy`` with FSDP2's ``fully_shard`` (2 gloo ranks on the CPU) re-runs the launching script
+    like strategy="ddp": the same sums on every rank as one process, and the same, clean, module names."""
+    single, _ = spawn_runs
+    env = {k: v for k, v in os.environ.items() if k not in DDP_ENV}
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(tmp_path), str(single / "out"), "fsdp2"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert_markers(tmp_path / "out")  # every rank checked its sums and names (LAYERS) against the single process
+    assert_scalars_match(single, tmp_path)
+
+
+if __name__ == "__main__":  # rank 0 of the subprocess-launched tests above, and rank 1 re-run
+    fit(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "ddp", WORLD, reference=sys.argv[2])
