@@ -1420,3 +1420,23 @@ def test_hooked_modules_that_never_run_are_named_in_a_warning_and_the_empty_warn
     with pytest.warns(UserWarning, match="no valid query token") as caught:
         trainer(tmp_path, [everything]).validate(TinyEncoder(), val, verbose=False)
     assert not any("never ran" in str(w.message) for w in caught)
+
+
+def test_compiled_model_validated_after_fit_and_again_keeps_its_names_and_is_seen_every_time(tmp_path):
+    torch._dynamo.reset()
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1)
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], max_epochs=1, num_sanity_val_steps=2)
+    model = CompiledEncoder("eager")
+    t.fit(model, train, val)
+    for _ in range(2):
+        t.validate(model, val, verbose=False)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    ours = {tag for tag in events.Tags()["scalars"] if tag.startswith("attention_")}
+    assert ours and not any("_orig_mod" in tag for tag in ours)
+    # fit's epoch and both validate calls: three points each (drift from the second on)
+    assert all(len(events.Scalars(tag)) == (2 if "drift" in tag else 3) for tag in ours)
+    entropy = [e.value for e in events.Scalars("attention_entropy/encoder.layers.0.self_attn")]
+    assert entropy[1] == pytest.approx(entropy[2], rel=1e-6)  # the same weights, the same numbers
