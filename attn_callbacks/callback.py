@@ -288,6 +288,7 @@ class AttentionMonitor(Callback):
         if not self._active:
             return
         drift_epoch = not (trainer.sanity_checking or trainer.testing)
+        silent = self._warn_silent_modules()  # before the probe's own batch adds its calls
         try:
             if self._probe.own_batch and drift_epoch:
                 self._capture.attach()  # detached after `limit_batches`
@@ -295,12 +296,11 @@ class AttentionMonitor(Callback):
         finally:
             self._release()
         per_loader, merged = self._sums.collect()  # a collective under DDP
-        silent = self._warn_silent_modules()
         if not any(int(stats.query_count.sum()) for stats in merged.values()):
             if not self._monitored_batches:
                 self._report.warn_once(
                     "no_batches",
-                    "AttentionMonitor: no validation batch ran in this monitored epoch (empty dataloaders?), so "
+                    "AttentionMonitor: no batch ran in this monitored epoch (empty dataloaders?), so "
                     "nothing is logged for it.",
                 )
             elif len(silent) < len(self._attention):  # some module ran: its every query token was ignored
@@ -401,7 +401,7 @@ class AttentionMonitor(Callback):
             self._report.warn_once(
                 f"silent:{','.join(silent)}",
                 f"AttentionMonitor: attention module(s) {', '.join(map(repr, silent))} were hooked for "
-                f"{self._monitored_batches} monitored validation batch(es) but never ran, so nothing was seen of "
+                f"{self._monitored_batches} monitored batch(es) but never ran, so nothing was seen of "
                 f"them. Either validation_step does not call them (leave them out with `modules=`), or {cause}.",
             )
         return silent

@@ -69,29 +69,35 @@ class _EagerCompile:
     """``torch.compiler.set_stance("force_eager")`` held while any capture is attached, so that compiled modules run
     eagerly and call the hooks (a graph dynamo compiled before the hooks existed would skip them, as it does not guard
     on module hooks by default); the stance before is restored by the last capture to detach. The user's compiled
-    graphs are kept: nothing is recompiled when the stance returns. A no-op where torch has no ``set_stance``."""
+    graphs are kept: nothing is recompiled when the stance returns. Nothing is changed while dynamo traces (a capture
+    attached inside a compiled function) or where torch has no ``set_stance``."""
 
     holders = 0
     stance: Any = None  # the context object of the stance we set: its exit restores the one before
 
     @classmethod
     def hold(cls) -> None:
+        cls.holders += 1
         set_stance = getattr(torch.compiler, "set_stance", None)
-        if cls.holders == 0 and set_stance is not None:
+        if cls.stance is None and set_stance is not None and not _compiling():
             try:
                 cls.stance = set_stance("force_eager")
-            except RuntimeError:  # called inside a compiled region: leave the stance alone
+            except RuntimeError:  # inside a compiled region's frame: leave the stance alone
                 cls.stance = None
-        cls.holders += 1
 
     @classmethod
     def release(cls) -> None:
         if cls.holders == 0:
             return
         cls.holders -= 1
-        if cls.holders == 0 and cls.stance is not None:
-            stance, cls.stance = cls.stance, None
-            stance.__exit__(None, None, None)
+        if cls.holders == 0 and cls.stance is not None and not _compiling():
+            cls.stance.__exit__(None, None, None)
+            cls.stance = None
+
+
+def _compiling() -> bool:
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling and is_compiling())
 
 
 #: Parts that wrappers insert into ``named_modules()`` names: ``torch.compile``'s ``OptimizedModule``, activation

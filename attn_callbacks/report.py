@@ -22,6 +22,10 @@ from attn_callbacks.writer import Painter, add_layout, log_heads, log_layer, ten
 __all__ = ["Reporter"]
 
 
+# TensorBoard run -> tag prefix -> the custom-scalars layout part written there, for every Reporter of the process.
+_LAYOUTS: dict[str, dict[str, Any]] = {}
+
+
 class Reporter:
     """Turns a module's epoch sums into logged scalars, warnings, heatmaps and tables.
 
@@ -51,7 +55,6 @@ class Reporter:
         self.images = Images(color_scale)
         self.painter = Painter()
         self._ranks: dict[tuple[str, str, str], Tensor] = {}  # the last PageRank per (module, prefix, suffix)
-        self._layouts: dict[str, dict[str, Any]] = {}  # TensorBoard run -> prefix -> the custom-scalars layout part
         self._logged: dict[tuple[str, str], dict[str, list[str]]] = {}  # (run, prefix) -> metric -> modules
         self._warned: set[str] = set()
 
@@ -142,7 +145,9 @@ class Reporter:
         for key, layers in logged.items():
             known = seen.setdefault(key, [])
             known += [layer for layer in layers if layer not in known]
-        layouts = self._layouts.setdefault(run, {})  # prefix -> its part: test epochs add theirs to the same run
+        # prefix -> its part, shared by every monitor of this process: the plugin shows a run's last layout only, so
+        # each write holds the parts of every prefix written to the run (test epochs, a second monitor).
+        layouts = _LAYOUTS.setdefault(run, {})
         layout = scalars_layout(prefix, seen, self.per_head)
         if layouts.get(prefix) != layout:
             layouts[prefix] = layout

@@ -1413,7 +1413,7 @@ class HalfUsed(TinyEncoder):
 def test_hooked_modules_that_never_run_are_named_in_a_warning_and_the_empty_warning_needs_a_module_that_ran(tmp_path):
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
     _, val = loaders()
-    with pytest.warns(UserWarning, match=r"'unused' were hooked for 4 monitored validation batch\(es\) but never ran"):
+    with pytest.warns(UserWarning, match=r"'unused' were hooked for 4 monitored batch\(es\) but never ran"):
         trainer(tmp_path, [monitor]).validate(HalfUsed(), val, verbose=False)
     # Every id ignored: the modules ran, nothing counted -> the "no valid query token" warning, no silent module.
     everything = AttentionMonitor(VOCAB, "input_ids", ignore_ids=list(range(VOCAB)))

@@ -253,3 +253,24 @@ def test_wrapper_parts_never_reach_a_name_and_patterns_match_the_clean_names():
     holder.enc = torch.compile(wrapped, backend="eager")
     assert list(find_attention_modules(holder)) == [f"enc.{name}" for name in find_attention_modules(plain)]
     assert list(find_attention_modules(holder, ["enc.layers.1.*"])) == ["enc.layers.1.self_attn"]
+
+
+def test_a_capture_inside_a_compiled_function_reads_the_calls_and_leaves_the_stance_alone():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2)
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0]
+
+    holder = Holder()
+
+    @torch.compile(backend="eager")
+    def run(x):
+        with capture_attention(holder) as weights:
+            out = holder(x)
+        return out, len(weights["attn"])
+
+    assert run(torch.randn(3, 1, 8))[1] == 1
+    assert torch._dynamo.eval_frame._stance.stance == "default"

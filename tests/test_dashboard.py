@@ -241,3 +241,27 @@ def test_validate_only_run_writes_head_grids_of_the_logged_values_and_a_layout_c
     for tag in scalars:
         sections.setdefault(tag.split("/")[0], set()).add("/head_" in tag)
     assert all(len(kinds) == 1 for kinds in sections.values()), sections
+
+
+def test_two_monitors_on_one_run_keep_both_parts_of_the_layout(tmp_path):
+    seed_everything(0)
+    monitors = [
+        AttentionMonitor(VOCAB, lambda batch: batch, ignore_ids=[PAD], min_support=1, prefix=prefix)
+        for prefix in ("first", "second")
+    ]
+    t = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=monitors,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    t.validate(Encoder(), _loader(0), verbose=False)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={TENSORS: 0})
+    events.Reload()
+    layout = layout_pb2.Layout()  # the plugin shows the last one a run wrote
+    layout.ParseFromString(events.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
+    titles = [category.title for category in layout.category]
+    assert "first overview" in titles and "second overview" in titles
+    assert {title.split(" ")[0] for title in titles} == {"first", "second"}
