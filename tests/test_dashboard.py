@@ -105,18 +105,34 @@ def test_scalars_layout_regexes_match_exactly_one_modules_heads_and_cover_every_
 def test_value_grid_prints_every_value_readably_and_the_cache_redraws_it_exactly():
     from _reference import figure_to_array
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.textpath import TextPath
 
     values = np.array([[0.0, 0.25, 0.5], [0.75, 1.0, np.nan]])
     rows, cols = ["layer.0", "layer.1"], ["0", "1", "2"]
     figure = figures.value_grid(values, rows, cols, "share on the own position, per head", "", vmax=1.0, groups=[1])
-    FigureCanvasAgg(figure).draw()
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
     ax = figure.axes[0]
-    cells = [t for t in ax.texts if t.get_gid() == figures._CELL_GID]
-    assert [t.get_text() for t in cells] == ["0", "0.25", "0.50", "0.75", "1.00", ""]
-    # Each number is centred in its cell; dark cells (viridis' low end) get white text, light ones black.
-    for text, (i, j) in zip(cells, np.ndindex(values.shape), strict=True):
-        assert text.get_position() == (j + 0.5, i + 0.5)
-    assert [cells[0].get_color(), cells[4].get_color()] == ["white", "black"]
+    (numbers,) = [c for c in ax.collections if c.get_gid() == figures._CELL_GID]
+    # One outline per cell, centred on the cell: "0", "0.25", "0.50", "0.75", "1.00" and nothing for NaN.
+    widths = [np.ptp(path.vertices[:, 0]) if len(path.vertices) else 0.0 for path in numbers.get_paths()]
+    size = figures._font_size(len(rows), len(cols))
+    for text, width in zip(["0", "0.25", "0.50", "0.75", "1.00", ""], widths, strict=True):
+        expected = np.ptp(TextPath((0, 0), text, size=size).vertices[:, 0]) if text else 0.0
+        assert width == pytest.approx(expected)
+    np.testing.assert_array_equal(numbers.get_offsets(), [[j + 0.5, i + 0.5] for i in range(2) for j in range(3)])
+    # Dark cells (viridis' low end) get white numbers, light ones black.
+    colours = numbers.get_facecolor()
+    assert colours[0][:3].tolist() == [1.0, 1.0, 1.0] and colours[4][:3].tolist() == [0.0, 0.0, 0.0]
+    pixels = np.asarray(canvas.buffer_rgba())[..., :3].astype(int)
+
+    def cell(i, j):  # the middle of a cell's pixels
+        x, y = ax.transData.transform((j + 0.5, i + 0.5))
+        row, col = int(figure.bbox.height - y), int(x)
+        return pixels[row - 4 : row + 4, col - 10 : col + 10]
+
+    assert (cell(1, 1).sum(axis=-1) < 150).any()  # black ink on the yellow 1.00 cell
+    assert (cell(1, 2) == 255).all()  # the NaN cell is blank, no number
     assert [line.get_ydata()[0] for line in ax.lines] == [1]  # the group line above row 1
     assert [t.get_text() for t in ax.get_yticklabels()] == rows and ax.get_xlabel() == "head"
     cache = figures.FigureCache()
