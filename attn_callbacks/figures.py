@@ -309,7 +309,7 @@ def _number_path(text: str, size: int) -> Path:
             # The control points' box: Path.get_extents solves every curve's extrema, several times the outline's cost.
             low, high = outline.vertices.min(axis=0), outline.vertices.max(axis=0)
             path = outline.transformed(transforms.Affine2D().translate(*(-(low + high) / 2)))
-        if len(_NUMBER_PATHS) < 100_000:  # the strings cell_text writes repeat: a bound, never reached in practice
+        if len(_NUMBER_PATHS) < 4096:  # cell_text's strings repeat; a bound on memory (~2 KB an outline)
             _NUMBER_PATHS[key] = path
     return path
 
