@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from attn_callbacks.dashboard import HEAD_METRICS, HeadMetric, head_grid_rows
-from attn_callbacks.figures import FigureCache, abs_max
+from attn_callbacks.figure_cache import FigureCache
+from attn_callbacks.figures import abs_max
 from attn_callbacks.summary import lift
 
 __all__ = ["Images"]

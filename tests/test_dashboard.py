@@ -11,7 +11,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 from torch.utils.data import DataLoader
 
-from attn_callbacks import AttentionMonitor, dashboard, figures
+from attn_callbacks import AttentionMonitor, dashboard, figure_cache, figures
 from attn_callbacks.images import Images
 
 
@@ -135,7 +135,7 @@ def test_value_grid_prints_every_value_readably_and_the_cache_redraws_it_exactly
     assert (cell(1, 2) == 255).all()  # the NaN cell is blank, no number
     assert [line.get_ydata()[0] for line in ax.lines] == [1]  # the group line above row 1
     assert [t.get_text() for t in ax.get_yticklabels()] == rows and ax.get_xlabel() == "head"
-    cache = figures.FigureCache()
+    cache = figure_cache.FigureCache()
     cache.value_grid(values[::-1].copy(), rows, cols, "another title of the same length..... per head", "", 1.0, [1])
     again = cache.value_grid(values, rows, cols, "share on the own position, per head", "", 1.0, [1])
     assert np.array_equal(again, figure_to_array(figure)) and len(cache._entries) == 1
@@ -152,7 +152,7 @@ def test_cell_text_is_short(value, text):
 def test_metric_grid_uses_the_metrics_natural_range_and_otherwise_the_colour_scale_option():
     seen = []
 
-    class Spy(figures.FigureCache):
+    class Spy(figure_cache.FigureCache):
         def value_grid(self, values, *args, vmax=None, **kwargs):
             seen.append(vmax)
             return super().value_grid(values, *args, vmax=vmax, **kwargs)
@@ -194,17 +194,17 @@ def test_validate_only_run_writes_head_grids_of_the_logged_values_and_a_layout_c
     metric_grid = Images.metric_grid
 
     def spy(self, tag, key, values, square, suffix=""):
-        spied = figures.FigureCache.value_grid
+        spied = figure_cache.FigureCache.value_grid
 
         def capture(cache, grid, *args, **kwargs):
             drawn[tag + suffix] = grid.copy()
             return spied(cache, grid, *args, **kwargs)
 
-        monkeypatch.setattr(figures.FigureCache, "value_grid", capture)
+        monkeypatch.setattr(figure_cache.FigureCache, "value_grid", capture)
         try:
             return metric_grid(self, tag, key, values, square, suffix)
         finally:
-            monkeypatch.setattr(figures.FigureCache, "value_grid", spied)
+            monkeypatch.setattr(figure_cache.FigureCache, "value_grid", spied)
 
     monkeypatch.setattr(Images, "metric_grid", spy)
     seed_everything(0)

@@ -7,7 +7,7 @@ from _reference import figure_to_array
 from matplotlib.text import Text
 from PIL import Image
 
-from attn_callbacks import figures
+from attn_callbacks import figure_cache, figures
 from attn_callbacks.streams import label_tokens
 from attn_callbacks.tables import markdown_table
 from attn_callbacks.writer import png_bytes
@@ -49,7 +49,7 @@ def test_markdown_table_escapes_pipes():
 def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_memory_cap():
     rng = np.random.default_rng(0)
     labels = [f"t{i}" for i in range(12)]
-    cache = figures.FigureCache()
+    cache = figure_cache.FigureCache()
     first, second = rng.random((12, 12)), 3 * rng.random((12, 12))
     assert np.array_equal(
         cache.heatmap(first, labels, labels, "T", "P"),
@@ -84,12 +84,12 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_me
     assert len(cache._entries) == 4
     # a cap that holds two of these figures keeps the two used last
     cost = cache._bytes[next(layout for layout in cache._entries if layout[2] == tuple(labels[::-1]))]
-    small = figures.FigureCache(max_bytes=2 * cost)
+    small = figure_cache.FigureCache(max_bytes=2 * cost)
     for rows in (labels, labels[::-1], labels[1:] + labels[:1]):
         small.heatmap(first, rows, labels, "T", "P")
     assert [layout[2] for layout in small._entries] == [tuple(labels[::-1]), tuple(labels[1:] + labels[:1])]
     assert sum(small._bytes.values()) <= 2 * cost
-    tiny = figures.FigureCache(max_bytes=0)  # nothing kept, still drawn right
+    tiny = figure_cache.FigureCache(max_bytes=0)  # nothing kept, still drawn right
     assert np.array_equal(tiny.heatmap(second, labels, labels, "T", "P"), again) and not tiny._entries
     many = [f"t{i}" for i in range(60)]
     small.heatmap(rng.random((60, 60)), many, many, "T", "P")  # larger than the whole cap: evicts nothing
@@ -152,7 +152,7 @@ def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
     row, col = int(a.bbox.height - y), int(x)
     assert np.array_equal(pixels_a[row, col], pixels_b[row, col])  # same value, same colour
     assert not np.array_equal(pixels_a[row, col + 40], pixels_b[row, col + 40])  # 0.2 vs 0.8
-    cache = figures.FigureCache()
+    cache = figure_cache.FigureCache()
     cache.heatmap(large, labels, labels, "T", "P", vmax=2.0)
     again = cache.heatmap(small, labels, labels, "T", "P", vmax=1.0)
     assert np.array_equal(again, pixels_a)
