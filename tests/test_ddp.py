@@ -280,20 +280,26 @@ def test_ddp_spawn_images_and_text_written_by_global_rank_zero_only(spawn_runs):
         assert steps == [e.step for e in want.Tensors(tag)] and max(Counter(steps).values()) == 1, tag
 
 
-def test_ddp_subprocess_launcher_matches_single_process(spawn_runs, tmp_path):
-    """strategy="ddp" re-runs the launching script for rank 1, so it runs in a script of its own (this module
-    run as ``__main__``), never in the pytest process, which rank 1 would otherwise re-run."""
-    single, _ = spawn_runs
+def relaunched(root, single, strategy):
+    """Fit with ``strategy`` ("ddp", "fsdp2") from this module run as a script: those launchers re-run the launching
+    script for rank 1, which must never be the pytest process. Fails with the script's output."""
     env = {k: v for k, v in os.environ.items() if k not in DDP_ENV}
     result = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(tmp_path), str(single / "out")],
+        [sys.executable, os.path.abspath(__file__), str(root), str(single / "out"), strategy],
         env=env,
-        cwd=tmp_path,
+        cwd=root,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def test_ddp_subprocess_launcher_matches_single_process(spawn_runs, tmp_path):
+    """strategy="ddp" re-runs the launching script for rank 1, so it runs in a script of its own (this module
+    run as ``__main__``), never in the pytest process, which rank 1 would otherwise re-run."""
+    single, _ = spawn_runs
+    relaunched(tmp_path, single, "ddp")
     assert_markers(tmp_path / "out")
     assert_scalars_match(single, tmp_path)
     assert len(list(tmp_path.rglob("events.out.tfevents.*"))) == 1
@@ -322,19 +328,10 @@ def test_fsdp2_model_parallel_strategy_matches_single_process(spawn_runs, tmp_pa
     """``ModelParallelStrategy`` with FSDP2's ``fully_shard`` (2 gloo ranks on the CPU) re-runs the launching script
     like strategy="ddp": the same sums on every rank as one process, and the same, clean, module names."""
     single, _ = spawn_runs
-    env = {k: v for k, v in os.environ.items() if k not in DDP_ENV}
-    result = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(tmp_path), str(single / "out"), "fsdp2"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    relaunched(tmp_path, single, "fsdp2")
     assert_markers(tmp_path / "out")  # every rank checked its sums and names (LAYERS) against the single process
     assert_scalars_match(single, tmp_path)
 
 
 if __name__ == "__main__":  # rank 0 of the subprocess-launched tests above, and rank 1 re-run
-    fit(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "ddp", WORLD, reference=sys.argv[2])
+    fit(sys.argv[1], sys.argv[3], WORLD, reference=sys.argv[2])
