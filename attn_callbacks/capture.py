@@ -42,42 +42,62 @@ WeightsConsumer = Callable[[str, nn.Module, Tensor], None]
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
 
-class _FastpathOff:
-    """The process-wide MHA fast-path flag, held off while any capture is attached and restored by the last one to
-    detach, in whatever order they detach (two monitors on one Trainer detach in the order they attached)."""
+class _Held:
+    """A process-wide setting held while any capture is attached and restored by the last one to let go, in whatever
+    order they detach (two monitors on one Trainer detach in the order they attached)."""
+
+    holders = 0
+
+    @classmethod
+    def hold(cls) -> None:
+        cls.holders += 1
+        cls._apply()
+
+    @classmethod
+    def release(cls) -> None:
+        if cls.holders == 0:  # never below 0, or no later capture would apply the setting
+            return
+        cls.holders -= 1
+        if cls.holders == 0:
+            cls._restore()
+
+    @classmethod
+    def _apply(cls) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def _restore(cls) -> None:
+        raise NotImplementedError
+
+
+class _FastpathOff(_Held):
+    """The MHA fast-path flag, off."""
 
     holders = 0
     before = True
 
     @classmethod
-    def hold(cls) -> None:
-        if cls.holders == 0:
+    def _apply(cls) -> None:
+        if cls.holders == 1:
             cls.before = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)  # every time: the user may have switched it back on since
-        cls.holders += 1
 
     @classmethod
-    def release(cls) -> None:
-        if cls.holders == 0:  # never below 0, or no later capture would switch the flag off
-            return
-        cls.holders -= 1
-        if cls.holders == 0:
-            torch.backends.mha.set_fastpath_enabled(cls.before)
+    def _restore(cls) -> None:
+        torch.backends.mha.set_fastpath_enabled(cls.before)
 
 
-class _EagerCompile:
-    """``torch.compiler.set_stance("force_eager")`` held while any capture is attached, so that compiled modules run
-    eagerly and call the hooks (a graph dynamo compiled before the hooks existed would skip them, as it does not guard
-    on module hooks by default); the stance before is restored by the last capture to detach. The user's compiled
-    graphs are kept: nothing is recompiled when the stance returns. Nothing is changed while dynamo traces (a capture
-    attached inside a compiled function) or where torch has no ``set_stance``."""
+class _EagerCompile(_Held):
+    """``torch.compiler.set_stance("force_eager")``, so that compiled modules run eagerly and call the hooks (a graph
+    dynamo compiled before the hooks existed would skip them, as it does not guard on module hooks by default). The
+    user's compiled graphs are kept: nothing is recompiled when the stance returns. Nothing is changed while dynamo
+    traces (a capture attached inside a compiled function) or where torch has no ``set_stance``."""
 
     holders = 0
     stance: Any = None  # the context object of the stance we set: its exit restores the one before
 
     @classmethod
-    def hold(cls) -> None:
-        cls.holders += 1
+    def _apply(cls) -> None:
         set_stance = getattr(torch.compiler, "set_stance", None)
         if cls.stance is None and set_stance is not None and not _compiling():
             try:
@@ -86,11 +106,8 @@ class _EagerCompile:
                 cls.stance = None
 
     @classmethod
-    def release(cls) -> None:
-        if cls.holders == 0:
-            return
-        cls.holders -= 1
-        if cls.holders == 0 and cls.stance is not None and not _compiling():
+    def _restore(cls) -> None:
+        if cls.stance is not None and not _compiling():
             cls.stance.__exit__(None, None, None)
             cls.stance = None
 
@@ -235,8 +252,7 @@ class AttentionCapture:
         self.disable_fastpath = disable_fastpath
         self.output_index = dict(output_index or {})
         self._handles: list[RemovableHandle] = []
-        self._holds_fastpath = False
-        self._holds_eager = False
+        self._held: list[type[_Held]] = []  # the process-wide settings this capture holds
         self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # hooked calls per module, until reset_calls()
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
         self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
@@ -246,15 +262,14 @@ class AttentionCapture:
         return {
             **self.__dict__,
             "_handles": [],
-            "_holds_fastpath": False,
-            "_holds_eager": False,
+            "_held": [],
             "_requested": defaultdict(list),
         }
 
     @property
     def attached(self) -> bool:
-        """Whether hooks are currently registered (or the fast path is held off)."""
-        return bool(self._handles) or self._holds_fastpath or self._holds_eager
+        """Whether hooks are currently registered (or a process-wide setting is held)."""
+        return bool(self._handles) or bool(self._held)
 
     def reset_calls(self) -> None:
         """Start counting hooked calls per module (:attr:`calls`) from 0."""
@@ -266,11 +281,9 @@ class AttentionCapture:
         if self.attached:
             return self
         try:
-            if self.disable_fastpath:
-                _FastpathOff.hold()
-                self._holds_fastpath = True
-            _EagerCompile.hold()
-            self._holds_eager = True
+            for setting in ([_FastpathOff] if self.disable_fastpath else []) + [_EagerCompile]:
+                setting.hold()
+                self._held.append(setting)
             for name, module in self.modules.items():
                 if isinstance(module, nn.MultiheadAttention):
                     pre_hook = _never_traced(self._pre_hook(name))
@@ -294,12 +307,8 @@ class AttentionCapture:
             handle.remove()
         self._handles.clear()
         self._requested.clear()
-        if self._holds_fastpath:
-            self._holds_fastpath = False
-            _FastpathOff.release()
-        if self._holds_eager:
-            self._holds_eager = False
-            _EagerCompile.release()
+        while self._held:
+            self._held.pop().release()
 
     def __enter__(self) -> AttentionCapture:
         return self.attach()

@@ -135,9 +135,9 @@ class Reporter:
         step: int,
     ) -> None:
         """The head grid images of every per-head metric, and the custom-scalars layout when it has grown."""
+        square = {name: queries == keys for name, (queries, keys) in self.streams.of.items()}  # self-attention
         for suffix, metrics in grids.items():
             for key, values in metrics.items():
-                square = {name: self.streams.of[name][0] == self.streams.of[name][1] for name in values}
                 image = self.images.metric_grid(grid_tag(prefix, key), key, values, square, suffix)
                 self.painter.image(writer, grid_tag(prefix, key) + suffix, image, step)
         run = _run_of(writer)
