@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -246,7 +247,8 @@ class EpochSums:
         self.per_head = per_head
         self.memory_budget = memory_budget
         self.metrics: dict[tuple[str, int], AttentionAccumulator] = {}
-        self._pairs: dict[tuple[str, str], Tensor] = {}  # this batch's pair index per (query, key) stream
+        self.loaders = 1  # dataloaders of the epoch being monitored
+        self._pairs: dict[tuple, Tensor] = {}  # this batch's pair index per (query, key) stream and rows
         self._calls: set[str] = set()  # modules that ran in this batch
         self._warned: set[str] = set()  # modules warned of for running more than once in a batch
         self._budget_logged = False
@@ -290,6 +292,7 @@ class EpochSums:
     ) -> None:
         """Zeroed sums for every (module, dataloader) on the module's device; budget checked before any allocation."""
         self.check_budget(shapes, loaders)
+        self.loaders = loaders
         with torch.inference_mode(False):  # state tensors must be normal tensors, not inference tensors
             for name, shape in shapes.items():
                 for idx in range(loaders):
@@ -303,6 +306,14 @@ class EpochSums:
         for key in [key for key in self.metrics if key[1] >= loaders]:  # fewer loaders than last time
             del self.metrics[key]
 
+    def allocate(self, name: str, shape: tuple[int, int, int], device: torch.device) -> None:
+        """Zeroed sums ``(H, Vq, Vk)`` for every dataloader of a module first seen mid-epoch (an SDPA call), with the
+        budget checked over all the sums held."""
+        shapes = {key: (m.num_heads, m.query_vocab_size, m.key_vocab_size) for (key, _), m in self.metrics.items()}
+        self.check_budget({**shapes, name: shape}, self.loaders)
+        for idx in range(self.loaders):
+            self.metrics[(name, idx)] = AttentionAccumulator(*shape, mean_of_heads=not self.per_head).to(device)
+
     def start_batch(self) -> None:
         self._pairs.clear()
         self._calls.clear()
@@ -315,9 +326,12 @@ class EpochSums:
         weights: Tensor,
         query: tuple[Tensor, Tensor],
         key: tuple[Tensor, Tensor],
+        rows: slice | None = None,
     ) -> None:
-        """Add one call's weights ``(B, H, Lq, Lk)`` with the ``(ids, valid)`` of its query and key stream."""
-        if name in self._calls and name not in self._warned:
+        """Add one call's weights ``(b, H, Lq, Lk)`` with the ``(ids, valid)`` of its query and key stream, for the
+        samples ``rows`` of the batch (all when None; the later chunks of a call are not another call)."""
+        first = rows is None or rows.start == 0
+        if first and name in self._calls and name not in self._warned:
             self._warned.add(name)
             rank_zero_warn(
                 f"AttentionMonitor: attention module {name!r} ran more than once in one batch (one module shared "
@@ -330,11 +344,31 @@ class EpochSums:
         # kernel reads the ids themselves and needs none.
         pairs = None
         if not uses_numba(weights.device):
-            pairs = self._pairs.get(streams)
+            where = (*streams, None) if rows is None else (*streams, rows.start, rows.stop)
+            pairs = self._pairs.get(where)
             if pairs is None or pairs.device != weights.device:
                 pairs = pair_index(query[0], key[0], query[1], key[1], metric.query_vocab_size, metric.key_vocab_size)
-                self._pairs[streams] = pairs
+                self._pairs[where] = pairs
         metric.update(weights, query[0], key[0], query[1], key[1], pairs=pairs)
+
+    def agree(self, device: torch.device) -> dict[str, tuple[int, int, int]]:
+        """Under DDP, give every process the sums that any process allocated mid-epoch (zeroed where it never saw that
+        SDPA call), all in one order, so that they are reduced alike; a collective. Returns the modules added here and
+        their ``(H, Vq, Vk)``; nothing without a process group of several processes."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return {}
+        shapes = {name: (m.num_heads, m.query_vocab_size, m.key_vocab_size) for (name, _), m in self.metrics.items()}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(shapes.items()))
+        agreed = dict(pair for part in everyone for pair in part)  # first seen first: the same order everywhere
+        added = {name: shape for name, shape in agreed.items() if name not in shapes}
+        with torch.inference_mode(False):
+            for name, shape in added.items():
+                for idx in range(self.loaders):
+                    self.metrics[(name, idx)] = AttentionAccumulator(*shape, mean_of_heads=not self.per_head).to(device)
+        self.metrics = {(name, idx): self.metrics[(name, idx)] for name in agreed for idx in range(self.loaders)}
+        return added
 
     def collect(self) -> tuple[dict[tuple[str, int], AttentionStats], dict[str, AttentionStats]]:
         """Every (module, dataloader)'s statistics and every module's over all dataloaders. A collective under DDP:

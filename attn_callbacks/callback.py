@@ -240,12 +240,17 @@ class AttentionMonitor(Callback):
         """Find the attention modules and decide their token streams; misconfiguration fails here, not mid-epoch."""
         try:
             self._attention = find_attention_modules(pl_module, self.modules)
-            self._heads = {name: num_heads(module, name) for name, module in self._attention.items()}
+            self._capture = AttentionCapture(self._attention, self._consume, output_index=output_indices(pl_module))
+            # SDPA calls tell their heads (and names past a module's first call) when they run: see _consume.
+            self._heads = {
+                name: num_heads(module, name)
+                for name, module in self._attention.items()
+                if name not in self._capture.watched
+            }
             self._streams.wire(list(self._attention), pl_module, self.attention_streams)
             self._streams.check_sinks()
         except ValueError as err:
             raise MisconfigurationException(f"AttentionMonitor: {err}") from err
-        self._capture = AttentionCapture(self._attention, self._consume, output_index=output_indices(pl_module))
         self._sums.check_budget(self._shapes(), loaders=1)  # fails before training; again with the real loaders
 
     @override
@@ -272,6 +277,7 @@ class AttentionMonitor(Callback):
             self._capture.detach()  # past the limit: the rest of this loader runs with the fast path
         else:
             self._capture.attach()  # a no-op unless a new loader starts after a limit
+            self._capture.start_watching()  # SDPA calls: this batch only, left in on_validation_batch_end
             self._monitored_batches += 1
             # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
             ids = {stream: self._streams.read(stream, pl_module.device)[2] for stream in self._streams.used()}
@@ -281,6 +287,8 @@ class AttentionMonitor(Callback):
 
     @override
     def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:  # (trainer, pl_module, outputs, batch, ...)
+        if self._capture is not None:
+            self._capture.stop_watching()
         self._streams.end_batch()  # and with it, the probe's capture: a call outside a batch is refused
 
     @override
@@ -292,9 +300,14 @@ class AttentionMonitor(Callback):
         try:
             if self._probe.own_batch and drift_epoch:
                 self._capture.attach()  # detached after `limit_batches`
-                self._probe.run(pl_module, self._streams)
+                with self._capture.watching():
+                    self._probe.run(pl_module, self._streams)
         finally:
             self._release()
+        if self._capture.watched:  # processes may have seen different SDPA calls: agree first (a collective)
+            for name, (heads, _, _) in self._sums.agree(pl_module.device).items():
+                self._wire_call(name)
+                self._heads[name] = heads
         per_loader, merged = self._sums.collect()  # a collective under DDP
         if not any(int(stats.query_count.sum()) for stats in merged.values()):
             if not self._monitored_batches:
@@ -358,9 +371,10 @@ class AttentionMonitor(Callback):
         self._report.images.limits = dict(state_dict.get("color_limits") or {})
 
     def _shapes(self) -> dict[str, tuple[int, int, int]]:
-        """Every module's ``(H, Vq, Vk)`` as accumulated (a stream still to be tracked counts with its limit)."""
+        """Every module's ``(H, Vq, Vk)`` as accumulated (a stream still to be tracked counts with its limit), of the
+        modules whose heads are known: all but SDPA calls not seen yet."""
         size = self._streams.planned_size
-        return {name: (self._heads[name], size(q), size(k)) for name, (q, k) in self._streams.of.items()}
+        return {name: (heads, *(size(s) for s in self._streams.of[name])) for name, heads in self._heads.items()}
 
     def _start(self, trainer: Trainer, stage_prefix: str) -> None:
         """Fresh sums for every (module, dataloader) on the module's device, then attach the hooks."""
@@ -375,7 +389,7 @@ class AttentionMonitor(Callback):
         self._stage_prefix = stage_prefix
         with torch.inference_mode(False):
             self._streams.choose_tracked(loaders, limits, trainer.strategy)
-            devices = {name: module_device(module) for name, module in self._attention.items()}
+            devices = {name: module_device(self._module_of(name)) for name in self._heads}
             self._sums.start(self._shapes(), devices, max(len(batches), 1))
         self._schedule.check_loaders(loaders)
         self._probe.weights.clear()
@@ -419,16 +433,40 @@ class AttentionMonitor(Callback):
         self._streams.end_batch()
         self._probe.capturing = self._probe.only = False
 
-    def _consume(self, name: str, module: nn.Module, weights: Tensor) -> None:
+    def _consume(self, name: str, module: nn.Module, weights: Tensor, rows: slice) -> None:
         if self._streams.batch is None:
             raise RuntimeError(
                 f"AttentionMonitor: attention module {name!r} ran outside a validation batch while hooked"
             )
         if weights.dim() == 3:  # unbatched call: (H, Lq, Lk)
             weights = weights.unsqueeze(0)
+        if name not in self._heads:  # an SDPA call seen for the first time: its heads are the call's
+            self._first_call(name, weights)
+        elif weights.size(1) != self._heads[name]:
+            raise RuntimeError(
+                f"AttentionMonitor: attention module {name!r} returned weights with {weights.size(1)} heads, where its "
+                f"earlier calls had {self._heads[name]}"
+            )
         streams = self._streams.of[name]
-        query, key = self._streams.read_pair(name, streams, weights)
-        self._probe.keep(name, weights)
+        query, key = self._streams.read_pair(name, streams, weights, rows)
+        self._probe.keep(name, weights, rows)
         if self._probe.only:
             return
-        self._sums.add(name, self._dataloader_idx, streams, weights, query, key)
+        self._sums.add(name, self._dataloader_idx, streams, weights, query, key, rows)
+
+    def _module_of(self, name: str) -> nn.Module:
+        """The module of a name: a module's k-th SDPA call, ``f"{module}.call{k}"``, is the module's."""
+        return self._attention[name] if name in self._attention else self._attention[name.rpartition(".call")[0]]
+
+    def _wire_call(self, name: str) -> None:
+        if name not in self._streams.of:  # a module's k-th call, "{module}.call{k}"
+            self._streams.wire_call(name, name.rpartition(".call")[0], self.attention_streams)
+
+    def _first_call(self, name: str, weights: Tensor) -> None:
+        """Wire and allocate the sums of an SDPA call (a module's first, or its k-th call of a batch) seen for the first
+        time; kept for later epochs, which allocate it when they start."""
+        self._wire_call(name)
+        self._heads[name] = weights.size(1)
+        size = self._streams.size
+        with torch.inference_mode(False):
+            self._sums.allocate(name, (weights.size(1), *(size(s) for s in self._streams.of[name])), weights.device)

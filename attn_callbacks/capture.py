@@ -7,7 +7,10 @@ switched off (the encoder-layer fast path and ``nn.TransformerEncoder``'s nested
 detaching restores it and removes every hook, on every exit path.
 
 Hugging Face attention modules (see :mod:`attn_callbacks.hf`) return their weights by themselves when the model runs
-eager attention: a forward hook alone reads them, and everything downstream is the same.
+eager attention: a forward hook alone reads them, and everything downstream is the same. Modules that call
+``torch.nn.functional.scaled_dot_product_attention`` (Hugging Face ones run with ``attn_implementation="sdpa"``
+included) are watched by :class:`attn_callbacks.sdpa.SdpaWatch` instead, around each batch
+(:meth:`AttentionCapture.watching`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from attn_callbacks import hf
+from attn_callbacks.sdpa import SdpaWatch, calls_sdpa, unreadable_attention, unreadable_message
 
 __all__ = [
     "WRAPPER_PARTS",
@@ -37,7 +41,7 @@ __all__ = [
     "output_indices",
 ]
 
-WeightsConsumer = Callable[[str, nn.Module, Tensor], None]
+WeightsConsumer = Callable[[str, nn.Module, Tensor, slice], None]
 
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -144,13 +148,14 @@ def output_indices(model: nn.Module) -> dict[str, int]:
     return {clean_name(name): index for name, index in hf.attention_outputs(model).items()}
 
 
-_HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads")  # MHA, BERT / RoBERTa, DistilBERT
+_HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # MHA, BERT, DistilBERT / T5, GPT-2
 
 
 def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = None) -> dict[str, nn.Module]:
     """Every attention module in ``model`` by its ``named_modules()`` name without wrapper parts (:func:`clean_name`),
-    optionally filtered: each ``nn.MultiheadAttention``, and each Hugging Face attention module (BERT family,
-    ``attn_callbacks[hf]``).
+    optionally filtered: each ``nn.MultiheadAttention``, each Hugging Face attention module (``attn_callbacks[hf]``;
+    eager or sdpa attention), and each other module whose code calls ``scaled_dot_product_attention``
+    (:func:`attn_callbacks.sdpa.calls_sdpa`; not the model itself, nor one inside the modules above).
 
     Args:
         model: the model to search.
@@ -159,8 +164,9 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
 
     Raises:
         ValueError: no attention module found or kept, or a pattern matches only modules that are not attention
-            modules, or matches nothing at all (the message names the pattern); or a kept Hugging Face module runs
-            SDPA / flash attention, which returns no weights (the message says what to set).
+            modules, or matches nothing at all (the message names the pattern); or a kept module runs attention that
+            returns no weights and cannot be recomputed: Hugging Face flash / flex attention, ``flex_attention`` or the
+            ``flash_attn`` package (the message says what to use instead).
 
     Example:
         >>> layer = nn.TransformerEncoderLayer(8, 2)
@@ -170,17 +176,33 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     named = named_modules(model)
     hf_modules = output_indices(model)
     found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
+    inside = tuple(f"{name}." for name in found)  # their inner modules' calls are theirs
+    for name, module in named.items():
+        if name and name not in found and not name.startswith(inside) and _calls_attention(module):
+            found[name] = module
+    found = {name: found[name] for name in named if name in found}  # model order
     if not found:
         raise ValueError(
-            "No torch.nn.MultiheadAttention or Hugging Face attention module found in the model "
-            f"({type(model).__name__}){hf.unsupported_hint(model)}"
+            "No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
+            f"scaled_dot_product_attention found in the model ({type(model).__name__}){hf.unsupported_hint(model)}"
         )
     if patterns is not None:
         found = _filter(named, found, patterns)
     for name, module in found.items():
         if name in hf_modules:
-            hf.check_eager(name, module)
+            hf.check_readable(name, module)
+        elif not isinstance(module, nn.MultiheadAttention) and unreadable_attention(module):
+            raise ValueError(unreadable_message(name, module, unreadable_attention(module)))
     return found
+
+
+def _calls_attention(module: nn.Module) -> bool:
+    return calls_sdpa(module) or unreadable_attention(module) is not None
+
+
+def reads_output(module: nn.Module, name: str, output_index: Mapping[str, int]) -> bool:
+    """Whether a Hugging Face attention module returns its weights (eager attention), read by a forward hook."""
+    return name in output_index and hf.implementation(module) in (None, "eager")
 
 
 def _filter(named: dict[str, nn.Module], found: dict[str, nn.Module], patterns: Sequence[str]) -> dict[str, nn.Module]:
@@ -205,39 +227,48 @@ def module_device(module: nn.Module) -> torch.device:
 
 
 def num_heads(module: nn.Module, name: str = "") -> int:
-    """Number of heads of an attention module: ``nn.MultiheadAttention`` or a Hugging Face one (from the module or its
-    ``config``). ``name`` is for the error message.
+    """Number of heads of an attention module: ``nn.MultiheadAttention`` or a Hugging Face one (from the module, its
+    ``config``, or else its first child that says: T5's layer holding its attention). ``name`` is for the error
+    message.
 
     Raises:
         ValueError: the module says nowhere how many heads it has.
     """
-    for owner in (module, getattr(module, "config", None)):
+    owners = [module, getattr(module, "config", None)]
+    owners += [owner for child in module.children() for owner in (child, getattr(child, "config", None))]
+    for owner in owners:
         for attribute in _HEAD_ATTRIBUTES:
             value = getattr(owner, attribute, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     raise ValueError(
         f"Cannot tell the number of heads of attention module {name!r} ({type(module).__name__}): none of "
-        f"{', '.join(_HEAD_ATTRIBUTES)} is a positive integer on the module or on its `config`"
+        f"{', '.join(_HEAD_ATTRIBUTES)} is a positive integer on the module, its `config` or its children"
     )
 
 
 class AttentionCapture:
-    """Hooks that force per-head attention weights out of attention modules.
+    """Hooks that force per-head attention weights out of attention modules, and a watch over the
+    ``scaled_dot_product_attention`` calls of the others.
 
-    Use :meth:`attach` / :meth:`detach` (idempotent) or the object as a context manager. The model's outputs are not
+    Use :meth:`attach` / :meth:`detach` (idempotent) or the object as a context manager; SDPA calls are seen only
+    inside :meth:`watching` (the callback enters it around each monitored batch). The model's outputs are not
     changed: a caller of an ``nn.MultiheadAttention`` that did not ask for weights gets ``(out, None)``; one that
-    asked for averaged weights gets the head average, as without the hooks. Hugging Face attention modules are only
-    read.
+    asked for averaged weights gets the head average, as without the hooks. Hugging Face eager attention modules are
+    only read; SDPA calls are passed through and their weights recomputed (:mod:`attn_callbacks.sdpa`).
 
     Args:
-        modules: name -> module, as from :func:`find_attention_modules`.
-        consumer: called as ``consumer(name, module, weights)`` with ``weights`` of shape ``(B, H, Lq, Lk)``
-            (batch-major whatever ``batch_first`` says; ``(H, Lq, Lk)`` for an unbatched call).
+        modules: name -> module, as from :func:`find_attention_modules`: ``nn.MultiheadAttention`` modules are
+            hooked, Hugging Face eager ones read (those in ``output_index``), every other one watched for SDPA calls.
+        consumer: called as ``consumer(name, module, weights, rows)`` with ``weights`` of shape ``(b, H, Lq, Lk)``
+            (batch-major whatever ``batch_first`` says; ``(H, Lq, Lk)`` for an unbatched ``nn.MultiheadAttention``
+            call) for the samples ``rows`` (a ``slice``) of the call's batch: all of them, except for an SDPA call
+            recomputed a few samples at a time. The k-th SDPA call of a module in one batch (k ≥ 1) is named
+            ``f"{name}.call{k}"``.
         disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored when the last
             capture attached at the time detaches).
-        output_index: for modules that are not ``nn.MultiheadAttention``, the index of the weights in their output
-            tuple (:func:`attn_callbacks.hf.attention_outputs`); 1 where not given.
+        output_index: for Hugging Face attention modules, the index of the weights in their output tuple
+            (:func:`attn_callbacks.hf.attention_outputs`); modules not named here are hooked or watched.
     """
 
     def __init__(
@@ -251,9 +282,15 @@ class AttentionCapture:
         self.consumer = consumer
         self.disable_fastpath = disable_fastpath
         self.output_index = dict(output_index or {})
+        self.watched = {
+            name: module
+            for name, module in self.modules.items()
+            if not isinstance(module, nn.MultiheadAttention) and not reads_output(module, name, self.output_index)
+        }
         self._handles: list[RemovableHandle] = []
         self._held: list[type[_Held]] = []  # the process-wide settings this capture holds
-        self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # hooked calls per module, until reset_calls()
+        self._watch: SdpaWatch | None = None  # the entered watch over SDPA calls, while watching
+        self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # calls per module, until reset_calls()
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
         self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
 
@@ -263,6 +300,7 @@ class AttentionCapture:
             **self.__dict__,
             "_handles": [],
             "_held": [],
+            "_watch": None,
             "_requested": defaultdict(list),
         }
 
@@ -272,12 +310,13 @@ class AttentionCapture:
         return bool(self._handles) or bool(self._held)
 
     def reset_calls(self) -> None:
-        """Start counting hooked calls per module (:attr:`calls`) from 0."""
+        """Start counting calls per module (:attr:`calls`) from 0."""
         self.calls = dict.fromkeys(self.modules, 0)
 
     def attach(self) -> AttentionCapture:
         """Register the hooks, switch the fast path off and have compiled code run eagerly (``torch.compiler``'s
-        ``force_eager`` stance, so that its modules call the hooks). Attaching twice is a no-op."""
+        ``force_eager`` stance, so that its modules call the hooks and SDPA is called where the watch sees it).
+        Attaching twice is a no-op."""
         if self.attached:
             return self
         try:
@@ -294,7 +333,7 @@ class AttentionCapture:
                     # registered before see the output they would see without us.
                     hook = _never_traced(self._hook(name, module))
                     self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
-                else:
+                elif name not in self.watched:
                     self._handles.append(module.register_forward_hook(_never_traced(self._read_hook(name))))
         except BaseException:
             self.detach()
@@ -302,7 +341,8 @@ class AttentionCapture:
         return self
 
     def detach(self) -> None:
-        """Remove every hook and restore the fast-path flag. Safe to call any number of times."""
+        """Stop watching, remove every hook and restore the fast-path flag. Safe to call any number of times."""
+        self.stop_watching()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -315,6 +355,34 @@ class AttentionCapture:
 
     def __exit__(self, *exc_info: object) -> None:
         self.detach()
+
+    def start_watching(self) -> None:
+        """See the SDPA calls of the watched modules from now on (a ``TorchFunctionMode`` entered on this thread), the
+        calls of each numbered from 0 again; a no-op without watched modules or when already watching."""
+        if self.watched and self._watch is None:
+            watch = SdpaWatch(self.watched, self._watched_call)
+            watch.__enter__()
+            self._watch = watch
+
+    def stop_watching(self) -> None:
+        """Leave the watch entered by :meth:`start_watching`, if any."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.__exit__(None, None, None)
+
+    @contextmanager
+    def watching(self) -> Iterator[AttentionCapture]:
+        """:meth:`start_watching` for the duration of a ``with`` block."""
+        self.start_watching()
+        try:
+            yield self
+        finally:
+            self.stop_watching()
+
+    def _watched_call(self, name: str, index: int, module: nn.Module, weights: Tensor, rows: slice) -> None:
+        if rows.start == 0:
+            self.calls[name] += 1
+        self.consumer(name if index == 0 else f"{name}.call{index}", module, weights, rows)
 
     def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -337,7 +405,7 @@ class AttentionCapture:
             if weights is None:  # cannot happen with need_weights=True, but never hand None on
                 return (out, None) if not need_weights else output
             self.calls[name] += 1
-            self.consumer(name, module, weights)
+            self.consumer(name, module, weights, slice(0, weights.size(0) if weights.dim() == 4 else 1))
             if not need_weights:
                 return out, None
             return (out, weights.mean(dim=-3)) if average else output
@@ -352,7 +420,7 @@ class AttentionCapture:
             if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
                 raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
             self.calls[name] += 1
-            self.consumer(name, module, weights)
+            self.consumer(name, module, weights, slice(0, weights.size(0)))
 
         return hook
 
@@ -368,12 +436,14 @@ def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) ->
     """Collect the per-head attention weights of every forward call, for use outside Lightning.
 
     Args:
-        model: any ``nn.Module`` containing ``nn.MultiheadAttention`` modules (stock transformer layers included) or
-            Hugging Face attention modules (eager attention).
+        model: any ``nn.Module`` containing ``nn.MultiheadAttention`` modules (stock transformer layers included),
+            Hugging Face attention modules (eager or sdpa attention) or modules calling
+            ``scaled_dot_product_attention``.
         modules: optional fnmatch patterns over module names, as in :func:`find_attention_modules`.
 
     Yields:
-        A dict: module name -> list of weight tensors ``(B, H, Lq, Lk)``, one per call, detached.
+        A dict: module name -> list of weight tensors ``(B, H, Lq, Lk)``, one per call, detached (SDPA calls: the
+        weights recomputed, and a module's k-th call of the block under ``f"{name}.call{k}"``).
 
     Example:
         >>> layer = nn.TransformerEncoderLayer(8, 2, batch_first=True)
@@ -385,8 +455,12 @@ def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) ->
     """
     collected: dict[str, list[Tensor]] = defaultdict(list)
 
-    def keep(name: str, module: nn.Module, weights: Tensor) -> None:
-        collected[name].append(weights.detach())
+    def keep(name: str, module: nn.Module, weights: Tensor, rows: slice) -> None:
+        if rows.start == 0:
+            collected[name].append(weights.detach())
+        else:  # the next samples of the same SDPA call
+            collected[name][-1] = torch.cat([collected[name][-1], weights.detach()])
 
-    with AttentionCapture(find_attention_modules(model, modules), keep, output_index=output_indices(model)):
+    capture = AttentionCapture(find_attention_modules(model, modules), keep, output_index=output_indices(model))
+    with capture, capture.watching():
         yield collected

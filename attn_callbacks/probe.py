@@ -51,9 +51,16 @@ class Probe:
         """Whether the probe is a batch of the user's, run by :attr:`forward` at the epoch end."""
         return self.batch is not None and not isinstance(self.batch, str)
 
-    def keep(self, name: str, weights: Tensor) -> None:
-        if self.capturing or self.only:
-            self.weights[name] = weights[: self.samples].detach().float().cpu()
+    def keep(self, name: str, weights: Tensor, rows: slice | None = None) -> None:
+        """Keep the probe samples of a module's weights ``(b, H, Lq, Lk)``, the samples ``rows`` of the batch (all when
+        None: SDPA calls come a few samples at a time)."""
+        if not (self.capturing or self.only):
+            return
+        start = 0 if rows is None else rows.start
+        if start >= self.samples:
+            return
+        part = weights[: self.samples - start].detach().float().cpu()
+        self.weights[name] = part if start == 0 else torch.cat([self.weights[name], part])
 
     def match(self, ids: Mapping[str, Tensor]) -> bool:
         """Freeze the probe at its first sight; afterwards, whether batch 0 still starts with the same samples."""

@@ -16,7 +16,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from attn_callbacks.capture import named_modules
+from attn_callbacks import hf
+from attn_callbacks.capture import clean_name, named_modules
 from attn_callbacks.config import (
     Tokenizer,
     TokenLabels,
@@ -122,6 +123,13 @@ class Streams:
         """Decide the (query stream, key stream) of every attention module (see :func:`resolve_streams`)."""
         self.of = resolve_streams(modules, model, self.names, attention_streams)
 
+    def wire_call(self, name: str, base: str, attention_streams: Mapping[str, Any] | None) -> None:
+        """The streams of an SDPA call named apart from its module ``base`` (``base.call1``...): the first pattern of
+        ``attention_streams`` matching the call's name, else the module's own."""
+        rules = attention_streams or {}
+        pair = next((tuple(p) for pattern, p in rules.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        self.of[name] = pair or self.of[base]  # type: ignore[assignment]
+
     def used(self) -> list[str]:
         """The streams some module reads, in order."""
         return list(dict.fromkeys(s for pair in self.of.values() for s in pair))
@@ -190,14 +198,16 @@ class Streams:
         return self._ids[stream]
 
     def read_pair(
-        self, name: str, streams: tuple[str, str], weights: Tensor
+        self, name: str, streams: tuple[str, str], weights: Tensor, rows: slice | None = None
     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-        """``(ids, valid)`` of the query and the key stream of module ``name``'s weights ``(B, H, Lq, Lk)``, on the
-        weights' device, checked against their shape."""
+        """``(ids, valid)`` of the query and the key stream of module ``name``'s weights ``(b, H, Lq, Lk)`` for the
+        samples ``rows`` of the batch (all when None), on the weights' device, checked against their shape."""
         query_stream, key_stream = streams
         # .to() is a no-op unless the module lives on another device than the LightningModule's (model parallel).
         query_ids, query_valid, _ = (t.to(weights.device) for t in self.read(query_stream, weights.device))
         key_ids, key_valid, _ = (t.to(weights.device) for t in self.read(key_stream, weights.device))
+        if rows is not None and rows != slice(0, query_ids.size(0)):
+            query_ids, query_valid, key_ids, key_valid = (t[rows] for t in (query_ids, query_valid, key_ids, key_valid))
         batch, _, len_q, len_k = weights.shape
         if query_ids.shape != (batch, len_q) or key_ids.shape != (batch, len_k):
             raise ValueError(
@@ -386,9 +396,10 @@ def resolve_streams(
     """Which (query stream, key stream) feeds each attention module.
 
     Rules, in order: the first fnmatch pattern of ``attention_streams`` matching the module name; with a single
-    stream, that stream for queries and keys; for stock ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``
-    attention with streams named ``src`` and ``tgt`` (as in ``nn.Transformer.forward``): encoder self-attention
-    src→src, decoder self-attention tgt→tgt, decoder cross-attention (``multihead_attn``) tgt→src.
+    stream, that stream for queries and keys; with streams named ``src`` and ``tgt`` (as in ``nn.Transformer.forward``),
+    for stock ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` attention and the attention modules of
+    Hugging Face encoder-decoder models (T5, BART, Marian...): encoder self-attention src→src, decoder self-attention
+    tgt→tgt, decoder cross-attention tgt→src.
 
     Raises:
         ValueError: a module no rule covers, or a rule naming an unknown stream; the message names both.
@@ -407,13 +418,14 @@ def resolve_streams(
                 f"of `token_ids` are {list(streams)}"
             )
     named = named_modules(model)  # clean names, as the modules are named
+    seq2seq = {clean_name(name): pair for name, pair in hf.seq2seq_streams(model, hf.attention_records(model)).items()}
     resolved: dict[str, tuple[str, str]] = {}
     for name in modules:
         pair = next((tuple(p) for pattern, p in rules.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if pair is None and len(streams) == 1:
             pair = (streams[0], streams[0])
         if pair is None:
-            pair = _stock_role(name, named)
+            pair = _stock_role(name, named) or seq2seq.get(name)
             if pair is not None and not set(pair) <= set(streams):
                 pair = None
         if pair is None:

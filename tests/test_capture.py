@@ -14,7 +14,7 @@ def encoder(batch_first=True, layers=2, nested=True):
 def count_calls(model):
     calls: dict[str, list] = {}
 
-    def consumer(name, module, weights):
+    def consumer(name, module, weights, rows):
         calls.setdefault(name, []).append(weights.clone())
 
     return calls, AttentionCapture(find_attention_modules(model), consumer)
@@ -162,7 +162,7 @@ def no_hooks_left(model):
 def test_capture_detaches_and_restores_fastpath_after_exception():
     model = encoder()
 
-    def consumer(name, module, weights):
+    def consumer(name, module, weights, rows):
         raise RuntimeError("boom")
 
     capture = AttentionCapture(find_attention_modules(model), consumer)
@@ -186,7 +186,7 @@ def test_capture_attention_context_manager_collects_every_call():
 def test_find_attention_modules_errors_name_the_pattern_and_model():
     with pytest.raises(
         ValueError,
-        match="No torch.nn.MultiheadAttention or Hugging Face attention module found in the model \\(Linear\\)",
+        match="No torch.nn.MultiheadAttention, Hugging Face attention module or module calling scaled_dot_product_attention found in the model \\(Linear\\)",
     ):
         find_attention_modules(nn.Linear(2, 2))
     model = encoder()

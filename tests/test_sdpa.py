@@ -1,0 +1,259 @@
+"""scaled_dot_product_attention calls: recomputed weights against float64 loops, outputs untouched, names, and the
+monitor's position statistics on a nanoGPT-style model against an eager float64 reference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _reference import naive_position_sums
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader
+
+from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules
+from attn_callbacks.capture import AttentionCapture
+from attn_callbacks.sdpa import SdpaWatch, calls_sdpa, sdpa_weights
+
+
+def naive_weights(q, k, mask=None, causal=False, scale=None, gqa=False):
+    """float64 loop over (sample, head, query) of softmax(q·k * scale + bias), as the SDPA docs define it."""
+    q, k = q.double(), k.double()
+    b_, hq, lq, e = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(e) if scale is None else scale
+    out = torch.zeros(b_, hq, lq, lk, dtype=torch.float64)
+    for n in range(b_):
+        for h in range(hq):
+            kh = h // (hq // hk) if gqa else h
+            for i in range(lq):
+                scores = []
+                for j in range(lk):
+                    s = sum(float(q[n, h, i, x]) * float(k[n, kh, j, x]) for x in range(e)) * scale
+                    if causal and j > i:
+                        s = -math.inf
+                    if mask is not None:
+                        m = mask.expand(b_, hq, lq, lk)[n, h, i, j]
+                        s = (s if bool(m) else -math.inf) if mask.dtype == torch.bool else s + float(m)
+                    scores.append(s)
+                top = max(scores)
+                if top == -math.inf:
+                    out[n, h, i] = math.nan
+                    continue
+                exps = [math.exp(s - top) for s in scores]
+                out[n, h, i] = torch.tensor([x / sum(exps) for x in exps], dtype=torch.float64)
+    return out
+
+
+CASES = {
+    "plain": dict(),
+    "scale": dict(scale=0.3),
+    "causal_short_queries": dict(causal=True, lq=3),
+    "causal_long_queries": dict(causal=True, lq=7, lk=5),
+    "bool_padding_mask": dict(mask="bool"),
+    "float_mask": dict(mask="float"),
+    "gqa": dict(gqa=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sdpa_weights_equal_a_float64_loop_and_reproduce_the_calls_output(case):
+    spec = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    b_, hq, lq, lk, e = 2, 4, spec.get("lq", 5), spec.get("lk", 5), 8
+    hk = 2 if spec.get("gqa") else hq
+    q, k, v = (torch.randn(b_, h, n, e, generator=g) for h, n in ((hq, lq), (hk, lk), (hk, lk)))
+    mask = None
+    if spec.get("mask") == "bool":
+        mask = torch.ones(b_, 1, lq, lk, dtype=torch.bool)
+        mask[1, :, :, -2:] = False  # the second sample's last two keys are padding
+    elif spec.get("mask") == "float":
+        mask = torch.randn(1, hq, lq, lk, generator=g)
+    kwargs = dict(attn_mask=mask, is_causal=spec.get("causal", False), scale=spec.get("scale"))
+    got = sdpa_weights(q, k, enable_gqa=spec.get("gqa", False), **kwargs)
+    want = naive_weights(q, k, mask, spec.get("causal", False), spec.get("scale"), spec.get("gqa", False))
+    finite = want.isfinite()
+    assert torch.equal(got.isfinite(), finite)  # rows that see no key are NaN in both
+    torch.testing.assert_close(got.double()[finite], want[finite], atol=1e-6, rtol=1e-6)
+    if finite.all():  # the weights are the ones SDPA applied to the values
+        v_rep = v.repeat_interleave(hq // hk, dim=1) if spec.get("gqa") else v
+        out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=spec.get("gqa", False), **{
+            **kwargs, "attn_mask": None if mask is None else mask if mask.dtype == torch.bool else mask.double()
+        })
+        torch.testing.assert_close(want @ v_rep.double(), out, atol=1e-10, rtol=1e-10)
+
+
+class Attention(nn.Module):
+    """nanoGPT's causal self-attention, with no head-count attribute of the usual names."""
+
+    def __init__(self, dim=16, heads=4, eager=False):
+        super().__init__()
+        self.qkv, self.proj, self.h, self.eager = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads, eager
+
+    def forward(self, x):
+        b_, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b_, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))  # (B, H, T, C/H)
+        if self.eager:  # the float64 reference: the same weights, computed by hand
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+            self.weights = torch.softmax(scores, dim=-1)
+            y = self.weights @ v
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b_, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, dim=16, heads=4, eager=False):
+        super().__init__()
+        self.ln, self.attn, self.mlp = nn.LayerNorm(dim), Attention(dim, heads, eager), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln(x))
+        return x + self.mlp(x)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=12, dim=16, heads=4, layers=2, eager=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, eager) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Lit(LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.outputs = []
+
+    def validation_step(self, batch, batch_idx):
+        self.outputs.append(self.model(batch["ids"]))
+
+
+def gpt_batches(vocab=12, n=6, length=9, batch_size=3):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (n, length), generator=g)
+    return [{"ids": ids[i : i + batch_size]} for i in range(0, n, batch_size)]
+
+
+def run(tmp_path, model, monitor, batches):
+    lit = Lit(model)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path, name="tb") if monitor else False,
+        callbacks=[monitor] if monitor else [],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(lit, DataLoader(batches, batch_size=None), verbose=False)
+    return lit.outputs, trainer
+
+
+def scalars(trainer):
+    events = EventAccumulator(trainer.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
+
+
+def test_monitor_reads_a_nanogpt_style_model_as_its_float64_eager_twin_and_leaves_outputs_untouched(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT().eval()
+    batches = gpt_batches()
+    plain, _ = run(tmp_path / "plain", model, None, batches)
+    monitored, trainer = run(tmp_path / "mon", model, AttentionMonitor(vocab_size=12, token_ids="ids"), batches)
+    assert all(torch.equal(a, b) for a, b in zip(plain, monitored, strict=True))  # bit-identical outputs
+
+    twin = TinyGPT(eager=True).double().eval()
+    twin.load_state_dict(model.state_dict())
+    sums = {name: torch.zeros(6, 4, dtype=torch.float64) for name in ("0", "1")}
+    rows = 0
+    with torch.no_grad():
+        for batch in batches:
+            twin(batch["ids"])
+            valid = torch.ones_like(batch["ids"], dtype=torch.bool)
+            rows += valid.sum()
+            for layer, block in enumerate(twin.blocks):
+                sums[str(layer)] += naive_position_sums(block.attn.weights, valid, valid)
+    logged = scalars(trainer)
+    for layer, position in sums.items():
+        name = f"model.blocks.{layer}.attn"
+        for stat, row in (("entropy", 0), ("previous", 3)):
+            heads = position[row] / rows
+            assert logged[f"attention_position/{stat}/{name}"] == pytest.approx(float(heads.mean()), abs=1e-4)
+            for h in range(4):
+                got = logged[f"attention_position_heads/{stat}/{name}/head_{h}"]
+                assert got == pytest.approx(float(heads[h]), abs=1e-4)
+
+
+def test_sdpa_modules_are_found_by_their_code_and_named_by_the_innermost_watched_module():
+    model = TinyGPT()
+    assert calls_sdpa(model.blocks[0].attn) and not calls_sdpa(model.blocks[0])
+    assert list(find_attention_modules(model)) == ["blocks.0.attn", "blocks.1.attn"]
+    assert list(find_attention_modules(model, ["blocks.1.*"])) == ["blocks.1.attn"]
+    seen = []
+    capture = AttentionCapture(find_attention_modules(model), lambda *call: seen.append((call[0], call[3])))
+    with capture, capture.watching(), torch.no_grad():
+        model(torch.zeros(2, 5, dtype=torch.long))
+        model(torch.zeros(1, 5, dtype=torch.long))
+    # the k-th call of a module is named apart; rows: the samples of the call
+    assert seen == [
+        ("blocks.0.attn", slice(0, 2)),
+        ("blocks.1.attn", slice(0, 2)),
+        ("blocks.0.attn.call1", slice(0, 1)),
+        ("blocks.1.attn.call1", slice(0, 1)),
+    ]
+    assert capture.calls == {"blocks.0.attn": 2, "blocks.1.attn": 2}
+
+
+def test_watch_hands_large_calls_on_a_few_samples_at_a_time():
+    model = TinyGPT()
+    chunks = []
+    watch = SdpaWatch({"attn": model.blocks[0].attn}, lambda *call: chunks.append((call[3].shape, call[4])))
+    watch.chunk_bytes = 3 * 4 * 5 * 5 * 4 * 2  # two samples' weights and temporaries
+    ids = torch.randint(0, 12, (5, 5))
+    with watch, torch.no_grad():
+        model(ids)
+    assert chunks == [((2, 4, 5, 5), slice(0, 2)), ((2, 4, 5, 5), slice(2, 4)), ((1, 4, 5, 5), slice(4, 5))]
+    with capture_attention(model) as whole, torch.no_grad():  # capture_attention joins the chunks of a call
+        model(ids)
+    assert whole["blocks.0.attn"][0].shape == (5, 4, 5, 5)
+
+
+def test_watch_is_left_on_every_exit_path():
+    model = TinyGPT()
+    capture = AttentionCapture(find_attention_modules(model), lambda *call: (_ for _ in ()).throw(ValueError("boom")))
+    with pytest.raises(ValueError, match="boom"), capture, capture.watching():
+        model(torch.zeros(1, 3, dtype=torch.long))
+    assert not torch.overrides._get_current_function_mode_stack()
+    capture.attach()
+    capture.start_watching()
+    capture.detach()  # detaching leaves the watch too
+    assert not torch.overrides._get_current_function_mode_stack()
+
+
+def test_flex_attention_is_refused_naming_the_module():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    class Flex(nn.Module):
+        def forward(self, q):
+            return flex_attention(q, q, q)
+
+    with pytest.raises(ValueError, match="'attn' \\(Flex\\) calls flex_attention, which returns no attention weights"):
+        find_attention_modules(nn.ModuleDict({"attn": Flex()}))
+
+
+def test_monitor_refuses_a_model_without_attention_in_setup(tmp_path):
+    with pytest.raises(MisconfigurationException, match="module calling scaled_dot_product_attention found"):
+        run(tmp_path, nn.Linear(3, 3), AttentionMonitor(vocab_size=12, token_ids="ids"), gpt_batches())
