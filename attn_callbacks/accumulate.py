@@ -261,12 +261,12 @@ class EpochSums:
             for name, shape in shapes.items()
         }
 
-    def check_budget(self, shapes: Mapping[str, tuple[int, int, int]], loaders: int) -> None:
+    def check_budget(self, shapes: Mapping[str, tuple[int, int, int]], loaders: int, log: bool = True) -> None:
         """Log the bytes the sums will hold (once), and refuse with the figure and the knobs when over budget."""
         per_module = self.state_bytes(shapes, loaders)
         total = sum(per_module.values())
         budget = self.memory_budget
-        if not self._budget_logged and loaders > 0 and per_module:
+        if log and not self._budget_logged and loaders > 0 and per_module:
             self._budget_logged = True
             rank_zero_info(
                 f"AttentionMonitor: {len(per_module)} attention module(s) × {loaders} dataloader(s) will hold "
@@ -309,8 +309,7 @@ class EpochSums:
     def allocate(self, name: str, shape: tuple[int, int, int], device: torch.device) -> None:
         """Zeroed sums ``(H, Vq, Vk)`` for every dataloader of a module first seen mid-epoch (an SDPA call), with the
         budget checked over all the sums held."""
-        shapes = {key: (m.num_heads, m.query_vocab_size, m.key_vocab_size) for (key, _), m in self.metrics.items()}
-        self.check_budget({**shapes, name: shape}, self.loaders)
+        self.check_budget({**self._shapes(), name: shape}, self.loaders, log=False)  # logged by collect()
         for idx in range(self.loaders):
             self.metrics[(name, idx)] = AttentionAccumulator(*shape, mean_of_heads=not self.per_head).to(device)
 
@@ -358,7 +357,7 @@ class EpochSums:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return {}
-        shapes = {name: (m.num_heads, m.query_vocab_size, m.key_vocab_size) for (name, _), m in self.metrics.items()}
+        shapes = self._shapes()
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, list(shapes.items()))
         agreed = dict(pair for part in everyone for pair in part)  # first seen first: the same order everywhere
@@ -370,9 +369,13 @@ class EpochSums:
         self.metrics = {(name, idx): self.metrics[(name, idx)] for name in agreed for idx in range(self.loaders)}
         return added
 
+    def _shapes(self) -> dict[str, tuple[int, int, int]]:
+        return {name: (m.num_heads, m.query_vocab_size, m.key_vocab_size) for (name, _), m in self.metrics.items()}
+
     def collect(self) -> tuple[dict[tuple[str, int], AttentionStats], dict[str, AttentionStats]]:
         """Every (module, dataloader)'s statistics and every module's over all dataloaders. A collective under DDP:
         views of the state, summed in place with no copy, valid until :meth:`reset`."""
+        self.check_budget(self._shapes(), self.loaders)  # logs the figure once, where no sums were known at the start
         per_loader = {key: metric.stats(in_place=True) for key, metric in self.metrics.items()}
         loaders = 1 + max((idx for _, idx in per_loader), default=0)
         merged = {

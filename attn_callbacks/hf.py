@@ -117,8 +117,13 @@ def _part(model: nn.Module, getter: str) -> nn.Module | None:
 
 
 def implementation(module: nn.Module) -> Any:
-    """The ``attn_implementation`` a Hugging Face attention module runs (from its ``config``), or None."""
-    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+    """The ``attn_implementation`` a Hugging Face attention module runs, from its own ``config`` or the first inner
+    module's that has one (T5's recorded layer holds its attention), or None."""
+    for inner in module.modules():
+        found = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+        if found is not None:
+            return found
+    return None
 
 
 def check_readable(name: str, module: nn.Module) -> None:

@@ -331,9 +331,18 @@ def read_stream(batch: Any, stream: str, source: TokenSource, batch_first: bool 
             raise RuntimeError(f"The `token_ids` callable for stream {stream!r} raised {err!r}") from err
     elif isinstance(batch, Mapping):
         if source not in batch:
+            hint = ""
+            if source == "decoder_input_ids" and "labels" in batch:
+                hint = (
+                    ". A Hugging Face encoder-decoder given `labels` alone derives decoder_input_ids inside forward "
+                    "(labels shifted right), where the monitor cannot read them: put them in the batch, with "
+                    "transformers.DataCollatorForSeq2Seq(tokenizer, model=model), or in the LightningModule's "
+                    'on_after_batch_transfer: batch["decoder_input_ids"] = '
+                    'model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])'
+                )
             raise KeyError(
                 f"Batch key {source!r} of argument `token_ids` (stream {stream!r}) is not in the batch; "
-                f"keys: {list(batch)}"
+                f"keys: {list(batch)}{hint}"
             )
         ids = batch[source]
     elif isinstance(source, int) and isinstance(batch, Sequence):

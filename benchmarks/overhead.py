@@ -45,7 +45,8 @@ class WeightsReader(Callback):
         self.capture: AttentionCapture | None = None
 
     def on_validation_epoch_start(self, trainer, pl_module):
-        self.capture = AttentionCapture(find_attention_modules(pl_module), lambda name, module, weights, rows: weights.sum())
+        modules = find_attention_modules(pl_module)
+        self.capture = AttentionCapture(modules, lambda name, module, weights, rows: weights.sum())
         self.capture.attach()
 
     def on_validation_epoch_end(self, trainer, pl_module):

@@ -534,7 +534,9 @@ def test_callback_accepts_numpy_and_path_like_arguments():
 def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
     with pytest.raises(
         MisconfigurationException,
-        match="No torch.nn.MultiheadAttention, Hugging Face attention module or module calling scaled_dot_product_attention found in the model",
+        match="No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
+        "scaled_dot_product_attention "
+        "found in the model",
     ):
         run_validate(
             tmp_path, AttentionMonitor(VOCAB), [{"input_ids": torch.ones(1, 2, dtype=torch.long)}], BareModel()

@@ -186,7 +186,9 @@ def test_capture_attention_context_manager_collects_every_call():
 def test_find_attention_modules_errors_name_the_pattern_and_model():
     with pytest.raises(
         ValueError,
-        match="No torch.nn.MultiheadAttention, Hugging Face attention module or module calling scaled_dot_product_attention found in the model \\(Linear\\)",
+        match="No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
+        "scaled_dot_product_attention "
+        "found in the model \\(Linear\\)",
     ):
         find_attention_modules(nn.Linear(2, 2))
     model = encoder()

@@ -191,16 +191,16 @@ def test_hf_tokenizer_labels_are_its_tokens_and_ids_where_it_has_none():
     assert label_tokens([VOCAB + 3, -100], tokenizer) == [str(VOCAB + 3), "-100"]  # unknown to the tokenizer
 
 
-def test_hf_sdpa_model_fails_in_setup_saying_what_to_set(tmp_path):
+def test_hf_flex_attention_model_fails_in_setup_saying_what_to_set(tmp_path):
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
     with pytest.raises(
-        MisconfigurationException, match="'model.encoder.layer.0.attention.self'.*attn_implementation='sdpa'"
+        MisconfigurationException, match="'model.encoder.layer.0.attention.self'.*attn_implementation='flex_attention'"
     ):
-        validate(tmp_path, monitor, tiny(attn_implementation="sdpa"))
-    with pytest.raises(ValueError, match='attn_implementation="eager"'):
-        find_attention_modules(tiny(attn_implementation="sdpa"))
+        validate(tmp_path, monitor, tiny(attn_implementation="flex_attention"))
+    with pytest.raises(ValueError, match='attn_implementation="sdpa"'):
+        find_attention_modules(tiny(attn_implementation="flex_attention"))
     # only the kept modules need weights: the pattern filter comes first
-    model = tiny(attn_implementation="sdpa")
+    model = tiny(attn_implementation="flex_attention")
     with pytest.raises(ValueError, match="matched no module"):
         find_attention_modules(model, ["decoder.*"])
 
@@ -217,7 +217,7 @@ def test_hf_switch_to_sdpa_after_setup_fails_loudly_and_leaves_no_hooks(tmp_path
 
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
     trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", callbacks=[monitor], enable_progress_bar=False)
-    with pytest.raises(RuntimeError, match="runs attn_implementation='sdpa', which returns no attention weights"):
+    with pytest.raises(RuntimeError, match="switched to attn_implementation='sdpa' after the monitor's setup"):
         trainer.validate(Switching(model), DataLoader(make_batches(), batch_size=None), verbose=False)
     assert hook_counts(model) == hooks
 
@@ -382,3 +382,135 @@ def test_hf_compiled_bert_in_fit_logs_the_plain_models_names_and_sums_every_epoc
         for name, stats in expected.modules.items():
             torch.testing.assert_close(record.modules[name].attention_sum, stats.attention_sum, rtol=1e-5, atol=1e-6)
             assert torch.equal(record.modules[name].query_count, stats.query_count)
+
+
+def generative(kind, attn_implementation):
+    """A tiny random decoder-only or encoder-decoder model: every sdpa family the monitor reads without wiring."""
+    small = dict(vocab_size=VOCAB, pad_token_id=PAD)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=16, n_layer=LAYERS, n_head=HEADS, n_positions=16, **small)
+        model_class = transformers.GPT2LMHeadModel
+    elif kind == "llama":  # grouped-query attention: 4 query heads share 2 key / value heads
+        config = transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            num_key_value_heads=2, max_position_embeddings=16, **small,
+        )  # fmt: skip
+        model_class = transformers.LlamaForCausalLM
+    elif kind == "t5":
+        config = transformers.T5Config(
+            d_model=16, d_kv=4, d_ff=32, num_layers=LAYERS, num_heads=HEADS, decoder_start_token_id=PAD, **small
+        )
+        model_class = transformers.T5ForConditionalGeneration
+    else:
+        config_class = transformers.BartConfig if kind == "bart" else transformers.MarianConfig
+        config = config_class(
+            d_model=16, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+            decoder_attention_heads=HEADS, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+            decoder_start_token_id=PAD, **small,
+        )  # fmt: skip
+        model_class = transformers.BartForConditionalGeneration if kind == "bart" else transformers.MarianMTModel
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return model_class(config).eval()
+
+
+SEQ2SEQ = ("t5", "bart", "marian")
+
+
+class Generating(LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.logits = model, []
+
+    def validation_step(self, batch, batch_idx):
+        self.logits.append(self.model(**batch).logits)
+
+
+def generative_batches(kind):
+    batches = make_batches(n=8)
+    if kind in SEQ2SEQ:
+        g = torch.Generator().manual_seed(3)
+        for batch in batches:
+            target = torch.randint(3, VOCAB, (len(batch["input_ids"]), 5), generator=g)
+            target[0, -2:] = PAD  # a padded target
+            batch["decoder_input_ids"] = target
+    return batches
+
+
+def eager_weights(kind, model, batch):
+    """module name -> float64 weights of the eager twin of ``model`` (same parameters), as output_attentions gives."""
+    twin = generative(kind, "eager").double()
+    twin.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        out = twin(**batch, output_attentions=True)
+    if kind == "gpt2":
+        return {f"model.transformer.h.{i}.attn": w for i, w in enumerate(out.attentions)}
+    if kind == "llama":
+        return {f"model.model.layers.{i}.self_attn": w for i, w in enumerate(out.attentions)}
+    stack, enc, dec, cross = (
+        ("model.{}.block.{}", "layer.0", "layer.0", "layer.1")
+        if kind == "t5"
+        else ("model.model.{}.layers.{}", "self_attn", "self_attn", "encoder_attn")
+    )
+    weights = {}
+    for i in range(LAYERS):
+        weights[f"{stack.format('encoder', i)}.{enc}"] = out.encoder_attentions[i]
+        weights[f"{stack.format('decoder', i)}.{dec}"] = out.decoder_attentions[i]
+        weights[f"{stack.format('decoder', i)}.{cross}"] = out.cross_attentions[i]
+    return weights
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "t5", "bart", "marian"])
+def test_hf_sdpa_models_log_the_position_statistics_of_their_float64_eager_twin(tmp_path, kind):
+    from _reference import naive_position_sums
+
+    batches = generative_batches(kind)
+    streams = {"src": "input_ids", "tgt": "decoder_input_ids"} if kind in SEQ2SEQ else "input_ids"
+    model = generative(kind, "sdpa")
+    plain = Generating(model)
+    Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).validate(
+        plain, DataLoader(batches, batch_size=None), verbose=False
+    )
+    monitored = Generating(model)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[AttentionMonitor(VOCAB, streams, ignore_ids=[PAD])],  # no attention_streams: wired by roles
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(monitored, DataLoader(batches, batch_size=None), verbose=False)
+    assert all(torch.equal(a, b) for a, b in zip(plain.logits, monitored.logits, strict=True))  # outputs untouched
+
+    sums, rows = {}, {}
+    for batch in batches:
+        valid = {key: batch[key] != PAD for key in ("input_ids", "decoder_input_ids") if key in batch}
+        for name, weights in eager_weights(kind, model, batch).items():
+            query = key = valid["input_ids"]  # decoder-only, or an encoder's self-attention
+            if ".decoder." in name:
+                query = key = valid["decoder_input_ids"]
+                if name.endswith(("encoder_attn", "layer.1")):  # cross-attention: keys from the source
+                    key = valid["input_ids"]
+            sums[name] = sums.get(name, 0) + naive_position_sums(weights, query, key)
+            rows[name] = rows.get(name, 0) + int(query.sum())
+    events = EventAccumulator(trainer.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    logged = {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
+    assert {tag.rsplit("/", 1)[-1] for tag in logged if tag.startswith("attention_position/entropy/")} == set(sums)
+    for name, position in sums.items():
+        for stat, row in (("entropy", 0), ("previous", 3)):
+            heads = position[row] / rows[name]
+            assert logged[f"attention_position/{stat}/{name}"] == pytest.approx(float(heads.mean()), abs=1e-4)
+            for h in range(HEADS):
+                assert logged[f"attention_position_heads/{stat}/{name}/head_{h}"] == pytest.approx(
+                    float(heads[h]), abs=1e-4
+                )
+
+
+def test_hf_seq2seq_batch_with_labels_only_says_how_to_give_decoder_input_ids(tmp_path):
+    batches = [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in make_batches(n=4)]
+    monitor = AttentionMonitor(VOCAB, {"src": "input_ids", "tgt": "decoder_input_ids"}, ignore_ids=[PAD])
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", callbacks=[monitor], enable_progress_bar=False)
+    with pytest.raises(KeyError, match="DataCollatorForSeq2Seq.*prepare_decoder_input_ids_from_labels"):
+        trainer.validate(Generating(generative("bart", "sdpa")), DataLoader(batches, batch_size=None), verbose=False)

@@ -80,9 +80,13 @@ def test_sdpa_weights_equal_a_float64_loop_and_reproduce_the_calls_output(case):
     torch.testing.assert_close(got.double()[finite], want[finite], atol=1e-6, rtol=1e-6)
     if finite.all():  # the weights are the ones SDPA applied to the values
         v_rep = v.repeat_interleave(hq // hk, dim=1) if spec.get("gqa") else v
-        out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=spec.get("gqa", False), **{
-            **kwargs, "attn_mask": None if mask is None else mask if mask.dtype == torch.bool else mask.double()
-        })
+        out = F.scaled_dot_product_attention(
+            q.double(),
+            k.double(),
+            v.double(),
+            enable_gqa=spec.get("gqa", False),
+            **{**kwargs, "attn_mask": None if mask is None else mask if mask.dtype == torch.bool else mask.double()},
+        )
         torch.testing.assert_close(want @ v_rep.double(), out, atol=1e-10, rtol=1e-10)
 
 
