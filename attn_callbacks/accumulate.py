@@ -310,8 +310,9 @@ class EpochSums:
         """Zeroed sums ``(H, Vq, Vk)`` for every dataloader of a module first seen mid-epoch (an SDPA call), with the
         budget checked over all the sums held."""
         self.check_budget({**self._shapes(), name: shape}, self.loaders, log=False)  # logged by collect()
-        for idx in range(self.loaders):
-            self.metrics[(name, idx)] = AttentionAccumulator(*shape, mean_of_heads=not self.per_head).to(device)
+        with torch.inference_mode(False):
+            for idx in range(self.loaders):
+                self.metrics[(name, idx)] = AttentionAccumulator(*shape, mean_of_heads=not self.per_head).to(device)
 
     def start_batch(self) -> None:
         self._pairs.clear()

@@ -241,13 +241,18 @@ class AttentionMonitor(Callback):
         try:
             self._attention = find_attention_modules(pl_module, self.modules)
             self._capture = AttentionCapture(self._attention, self._consume, output_index=output_indices(pl_module))
-            # SDPA calls tell their heads (and names past a module's first call) when they run: see _consume.
+            # SDPA calls tell their heads (and names past a module's first call) when they run: see _consume. Those an
+            # earlier stage saw (fit, then validate) are kept, so that their sums are allocated when epochs start.
+            seen = {name: heads for name, heads in self._heads.items() if self._base(name) in self._capture.watched}
             self._heads = {
                 name: num_heads(module, name)
                 for name, module in self._attention.items()
                 if name not in self._capture.watched
             }
+            self._heads.update(seen)
             self._streams.wire(list(self._attention), pl_module, self.attention_streams)
+            for name in seen:
+                self._wire_call(name)
             self._streams.check_sinks()
         except ValueError as err:
             raise MisconfigurationException(f"AttentionMonitor: {err}") from err
@@ -454,13 +459,16 @@ class AttentionMonitor(Callback):
             return
         self._sums.add(name, self._dataloader_idx, streams, weights, query, key, rows)
 
-    def _module_of(self, name: str) -> nn.Module:
+    def _base(self, name: str) -> str:
         """The module of a name: a module's k-th SDPA call, ``f"{module}.call{k}"``, is the module's."""
-        return self._attention[name] if name in self._attention else self._attention[name.rpartition(".call")[0]]
+        return name if name in self._attention else name.rpartition(".call")[0]
+
+    def _module_of(self, name: str) -> nn.Module:
+        return self._attention[self._base(name)]
 
     def _wire_call(self, name: str) -> None:
         if name not in self._streams.of:  # a module's k-th call, "{module}.call{k}"
-            self._streams.wire_call(name, name.rpartition(".call")[0], self.attention_streams)
+            self._streams.wire_call(name, self._base(name), self.attention_streams)
 
     def _first_call(self, name: str, weights: Tensor) -> None:
         """Wire and allocate the sums of an SDPA call (a module's first, or its k-th call of a batch) seen for the first
@@ -468,5 +476,4 @@ class AttentionMonitor(Callback):
         self._wire_call(name)
         self._heads[name] = weights.size(1)
         size = self._streams.size
-        with torch.inference_mode(False):
-            self._sums.allocate(name, (weights.size(1), *(size(s) for s in self._streams.of[name])), weights.device)
+        self._sums.allocate(name, (weights.size(1), *(size(s) for s in self._streams.of[name])), weights.device)

@@ -1,6 +1,7 @@
 """The workloads of the benchmarks: 4 × nn.TransformerEncoderLayer (d_model 256, 8 heads, feed-forward 1024), batch
 32, length 128, an 8,000-token vocabulary with Zipf(1) (or uniform) token ids; the stress model stops at the encoder,
-the heavier one adds a language-model head and its loss."""
+the heavier one adds a language-model head and its loss; the SDPA model has the same shapes in blocks of its own that
+call ``F.scaled_dot_product_attention`` (as nanoGPT-style models do)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,36 @@ class Encoder(LightningModule):
         if self.head is not None:
             logits = self.head(hidden)
             self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()))
+
+
+class SdpaBlock(nn.Module):
+    """A post-norm encoder block like ``nn.TransformerEncoderLayer``'s, its attention a direct SDPA call."""
+
+    def __init__(self, d_model: int = D_MODEL, heads: int = HEADS, feedforward: int = FEEDFORWARD):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.ff = nn.Sequential(nn.Linear(d_model, feedforward), nn.ReLU(), nn.Linear(feedforward, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = nn.functional.scaled_dot_product_attention(q, k, v)  # (B, H, L, D / H)
+        x = self.norm1(x + self.out(y.transpose(1, 2).reshape(batch, length, dim)))
+        return self.norm2(x + self.ff(x))
+
+
+class SdpaEncoder(LightningModule):
+    """Embedding and 4 :class:`SdpaBlock`: the stress workload's shapes, attention through SDPA."""
+
+    def __init__(self, vocab: int = VOCAB, layers: int = LAYERS):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, D_MODEL)
+        self.blocks = nn.Sequential(*(SdpaBlock() for _ in range(layers)))
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.blocks(self.embed(batch["input_ids"]))
 
 
 def token_ids(batches: int, distribution: str = "zipf", vocab: int = VOCAB, seed: int = 0) -> list[dict]:

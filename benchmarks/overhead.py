@@ -4,11 +4,13 @@
 
 Workloads (benchmarks/_workload.py): 4 × nn.TransformerEncoderLayer(256, 8 heads, feed-forward 1024), batch 32 ×
 length 128, Zipf(1) ids over 8,000 tracked to 2,048 + <other>; "stress" is the encoder alone, "heavy" adds a
-language-model head and its loss. Configurations, interleaved round by round so that machine noise hits them alike:
+language-model head and its loss, "sdpa" is the stress shapes in blocks calling ``F.scaled_dot_product_attention``.
+Configurations, interleaved round by round so that machine noise hits them alike:
 
 - none: ``trainer.validate`` without callbacks;
-- floor: every attention module forced to return weights, each weight read once (``weights.sum()``): what any capture
-  of stock layers pays, since the layer loses PyTorch's fused fast path;
+- floor: every attention module forced to return weights (SDPA calls: seen and their weights recomputed), each weight
+  read once (``weights.sum()``): what any capture pays, since a stock layer loses PyTorch's fused fast path and an
+  SDPA call's weights must be computed again;
 - monitor (per head, the default) and monitor ``per_head=False``: steady, a monitor past its first three epochs
   (tracked ids chosen, figures drawn, drift memory full), epoch end included; cold, a fresh monitor's first epoch,
   set-up, the tracked-id pass and kernel loading included.
@@ -30,7 +32,7 @@ import time
 import torch
 from lightning.pytorch import Callback
 
-from _workload import BATCH, HEADS, LAYERS, LENGTH, VOCAB, Encoder, quiet, token_ids, validate
+from _workload import BATCH, HEADS, LAYERS, LENGTH, VOCAB, Encoder, SdpaEncoder, quiet, token_ids, validate
 from attn_callbacks import AttentionMonitor
 from attn_callbacks.capture import AttentionCapture, find_attention_modules
 
@@ -49,6 +51,12 @@ class WeightsReader(Callback):
         self.capture = AttentionCapture(modules, lambda name, module, weights, rows: weights.sum())
         self.capture.attach()
 
+    def on_validation_batch_start(self, *args, **kwargs):
+        self.capture.start_watching()  # SDPA calls, as the monitor watches them: batch by batch
+
+    def on_validation_batch_end(self, *args, **kwargs):
+        self.capture.stop_watching()
+
     def on_validation_epoch_end(self, trainer, pl_module):
         self.capture.detach()
 
@@ -66,7 +74,7 @@ def summary(values: list[float], digits: int = 2) -> str:
     return f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f} / {max(values):.{digits}f}"
 
 
-def run(model: Encoder, batches: list[dict], rounds: int) -> dict[str, dict[str, list[float]]]:
+def run(model: Encoder | SdpaEncoder, batches: list[dict], rounds: int) -> dict[str, dict[str, list[float]]]:
     """Per configuration, the figures of every round."""
     configs = {"monitor": {}, "monitor per_head=False": {"per_head": False}}
     steady = {name: TimedMonitor(VOCAB, "input_ids", max_tracked_tokens=TRACKED, **kw) for name, kw in configs.items()}
@@ -93,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (interleaved)")
-    parser.add_argument("--models", default="stress,heavy", help="comma-separated: stress, heavy")
+    parser.add_argument("--models", default="stress,heavy,sdpa", help="comma-separated: stress, heavy, sdpa")
     args = parser.parse_args()
     quiet()
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
@@ -106,7 +114,7 @@ def main() -> None:
     print(f"\n{'model':8} {'configuration':24} {'figure':16} {'min / median / max':>24}")
     for model_name in args.models.split(","):
         torch.manual_seed(0)
-        model = Encoder(head=model_name == "heavy").eval()
+        model = (SdpaEncoder() if model_name == "sdpa" else Encoder(head=model_name == "heavy")).eval()
         for config, rows in run(model, batches, args.rounds).items():
             for figure, values in rows.items():
                 print(f"{model_name:8} {config:24} {figure:16} {summary(values):>24}")

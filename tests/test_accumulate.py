@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from attn_callbacks.accumulate import SUM_FIELDS, AttentionAccumulator
+from attn_callbacks.accumulate import SUM_FIELDS, AttentionAccumulator, EpochSums
 
 
 def batches():
@@ -201,6 +201,46 @@ def test_accumulator_sync_sums_ranks_in_place_without_gathering(tmp_path):
         for field in SUM_FIELDS:
             for which in ("first", "second", "third"):
                 torch.testing.assert_close(saved[which][field], getattr(expected, field), msg=f"{rank} {which} {field}")
+
+
+def _agree_rank(rank: int, store_path: str, out_path: str) -> None:
+    """One of two gloo ranks, each having seen other SDPA calls: rank 0 "a" and "b.call1", rank 1 "b" and "a"."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        sums = EpochSums()
+        sums.start({}, {}, loaders=2)
+        seen = [("a", (2, 3, 3)), ("b.call1", (1, 3, 3))] if rank == 0 else [("b", (4, 3, 3)), ("a", (2, 3, 3))]
+        for name, shape in seen:
+            sums.allocate(name, shape, torch.device("cpu"))
+            w, ids = torch.full((1, shape[0], 2, 2), 0.5), torch.tensor([[1, 2]])
+            sums.add(name, 0, ("s", "s"), w, (ids, ids > 0), (ids, ids > 0))
+        added = sums.agree(torch.device("cpu"))
+        _, merged = sums.collect()
+        torch.save(
+            {
+                "added": added,
+                "order": list(sums.metrics),
+                "heads": {name: stats.attention_sum.shape[0] for name, stats in merged.items()},
+                "queries": {name: int(stats.query_count.sum()) for name, stats in merged.items()},
+            },
+            out_path.format(rank),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_epoch_sums_allocated_mid_epoch_are_agreed_across_ranks_in_one_order(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_agree_rank, args=(str(tmp_path / "store"), str(tmp_path / "rank{}.pt")), nprocs=2)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert first["added"] == {"b": (4, 3, 3)} and second["added"] == {"b.call1": (1, 3, 3)}
+    order = [(name, idx) for name in ("a", "b.call1", "b") for idx in range(2)]  # rank 0's first, then rank 1's new
+    assert first["order"] == second["order"] == order
+    assert first["heads"] == second["heads"] == {"a": 2, "b.call1": 1, "b": 4}
+    assert first["queries"] == second["queries"] == {"a": 4, "b.call1": 2, "b": 2}  # summed over the ranks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -99,9 +99,37 @@ class ShardedModel(TinyModel):
         super().validation_step(batch, batch_idx)
 
 
-def make_model(sharded=False):
+class SdpaMix(nn.Module):
+    """``mix`` as a module calling ``scaled_dot_product_attention`` (2 heads; PAD and MUTE keys masked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x, ids):
+        b_, length, _ = x.shape
+        # (B, 2, L, 4) each
+        q, k, v = (t.view(b_, length, 2, DIM // 2).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        allowed = ((ids != PAD) & (ids != MUTE))[:, None, None, :]  # (B, 1, 1, L)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.out(y.transpose(1, 2).reshape(b_, length, DIM))
+
+
+class SdpaModel(TinyModel):
+    """TinyModel whose ``mix`` calls SDPA: its sums are allocated at the first call, on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = SdpaMix()
+
+    def forward(self, ids):
+        x = self.encoder(self.embed(ids), src_key_padding_mask=ids == PAD)
+        return self.head(x + self.mix(x, ids).nan_to_num())
+
+
+def make_model(kind="mha"):
     seed_everything(0)
-    return ShardedModel() if sharded else TinyModel()
+    return {"mha": TinyModel, "fsdp2": ShardedModel, "sdpa": SdpaModel}[kind]()
 
 
 class Checked(AttentionMonitor):
@@ -162,7 +190,7 @@ class Checked(AttentionMonitor):
         (Path(self.out) / f"rank{rank}_epoch{epoch}.ok").touch()
 
 
-def fit(root, strategy, devices, reference=None, export=None):
+def fit(root, strategy, devices, reference=None, export=None, kind="mha"):
     """Fit 2 epochs from the same seeded weights; TensorBoard events go to ``root/tb/version_0``.
 
     ``strategy`` "ddp_spawn" or "ddp" with a short collective timeout: a rank left waiting in a collective (say,
@@ -195,7 +223,7 @@ def fit(root, strategy, devices, reference=None, export=None):
         enable_checkpointing=False,
     )
     with mock.patch.dict(os.environ):  # the spawn launcher sets MASTER_PORT here: keep it out of later tests
-        trainer.fit(make_model(sharded), *loaders(devices))
+        trainer.fit(make_model("fsdp2" if sharded else kind), *loaders(devices))
 
 
 def events(root):
@@ -322,6 +350,14 @@ def test_ddp_spawn_export_saves_every_epoch_once_with_the_summed_stats(spawn_run
             for field in FIELDS:
                 got = getattr(record.modules[name], field)
                 torch.testing.assert_close(got, expected[name][field], rtol=1e-6, atol=1e-6, msg=f"{name} {field}")
+
+
+def test_ddp_spawn_sdpa_sums_allocated_at_the_first_call_equal_single_process(tmp_path):
+    """A module calling SDPA gets its sums at its first call, on each rank; the ranks agree on them before summing."""
+    fit(tmp_path / "single", "auto", 1, kind="sdpa")
+    fit(tmp_path / "ddp", "ddp_spawn", WORLD, reference=tmp_path / "single" / "out", kind="sdpa")
+    assert_markers(tmp_path / "ddp" / "out")
+    assert_scalars_match(tmp_path / "single", tmp_path / "ddp")
 
 
 def test_fsdp2_model_parallel_strategy_matches_single_process(spawn_runs, tmp_path):

@@ -2,6 +2,9 @@
 monitor's position statistics on a nanoGPT-style model against an eager float64 reference."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +264,109 @@ def test_flex_attention_is_refused_naming_the_module():
 def test_monitor_refuses_a_model_without_attention_in_setup(tmp_path):
     with pytest.raises(MisconfigurationException, match="module calling scaled_dot_product_attention found"):
         run(tmp_path, nn.Linear(3, 3), AttentionMonitor(vocab_size=12, token_ids="ids"), gpt_batches())
+
+
+class Trained(Lit):
+    """Lit with next-token training, so that fit compiles the model in training before any monitored batch."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch["ids"][:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), batch["ids"][:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fitted(tmp_path, name, model):
+    torch.manual_seed(0)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_epochs=2,
+        logger=TensorBoardLogger(tmp_path, name=name),
+        callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids", min_support=1)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    batches = gpt_batches()
+    trainer.fit(Trained(model), DataLoader(batches, batch_size=None), DataLoader(batches, batch_size=None))
+    return {tag: value for tag, value in scalars(trainer).items() if tag.startswith("attention_")}
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_sdpa_model_in_fit_with_the_sanity_check_logs_the_plain_models_tags_and_values(tmp_path, backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    expected = fitted(tmp_path, "plain", TinyGPT())
+    torch.manual_seed(0)
+    got = fitted(tmp_path, "compiled", torch.compile(TinyGPT(), backend=backend))
+    assert got.keys() == expected.keys() and len(got) > 50  # the same names: no "_orig_mod", nothing missed
+    for tag, value in expected.items():
+        assert math.isclose(got[tag], value, rel_tol=1e-5, abs_tol=1e-6), (tag, got[tag], value)
+
+
+def test_nanogpt_example_runs_offline_and_shows_previous_byte_heads_forming(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, str(root / "examples" / "nanogpt_style.py"), "--logdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = EventAccumulator(str(tmp_path / "nanogpt_style" / "version_0"), size_guidance={SCALARS: 0})
+    events.Reload()
+    previous = {
+        tag: [e.value for e in events.Scalars(tag)]
+        for tag in events.Tags()["scalars"]
+        if tag.startswith("attention_position_heads/previous/")
+    }
+    assert len(previous) == 8 and all(len(values) == 4 for values in previous.values())  # 2 blocks x 4 heads, 4 epochs
+    best = max(previous, key=lambda tag: previous[tag][-1])
+    assert previous[best][0] < 0.15 and previous[best][-1] > 0.4, previous[best]  # a previous-byte head formed
+    entropy = [e.value for e in events.Scalars(best.replace("/previous/", "/entropy/"))]
+    assert entropy[-1] < entropy[0] - 0.5, entropy  # and it sharpened
+
+
+class TwoCalls(nn.Module):
+    """Attends twice per forward: causal, then bidirectional."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.qkv, self.h = nn.Linear(dim, 3 * dim), heads
+
+    def forward(self, x):
+        b_, t, c = x.shape
+        q, k, v = (z.view(b_, t, self.h, c // self.h).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(y, k, v)
+        return y.transpose(1, 2).reshape(b_, t, c)
+
+
+class TwoCallModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn = nn.Embedding(12, 16), TwoCalls()
+
+    def forward(self, ids):
+        return self.attn(self.emb(ids))
+
+
+def test_a_module_calling_sdpa_twice_logs_each_call_and_keeps_its_sums_for_the_next_stage(tmp_path):
+    model = TwoCallModel().eval()
+    monitor = AttentionMonitor(vocab_size=12, token_ids="ids")
+    _, first = run(tmp_path / "a", model, monitor, gpt_batches())
+    sums = dict(monitor._sums.metrics)
+    _, second = run(tmp_path / "b", model, monitor, gpt_batches())  # a new Trainer: setup runs again
+    assert monitor._sums.metrics == sums  # allocated when the epoch started, not again at the first call
+    for trainer in (first, second):
+        logged = scalars(trainer)
+        previous = {tag: v for tag, v in logged.items() if tag.startswith("attention_position/previous/")}
+        assert sorted(previous) == [
+            "attention_position/previous/model.attn",
+            "attention_position/previous/model.attn.call1",
+        ]
+        nxt = {tag: v for tag, v in logged.items() if tag.startswith("attention_position/next/")}
+        assert nxt["attention_position/next/model.attn"] == 0.0  # the causal call sees no next position
+        assert nxt["attention_position/next/model.attn.call1"] > 0.05  # the second call does
