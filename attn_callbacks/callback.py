@@ -34,9 +34,11 @@ class AttentionMonitor(Callback):
     r"""Log which vocabulary items attend to which, per attention layer and head, and how that drifts over epochs.
 
     During validation it hooks every selected ``torch.nn.MultiheadAttention`` of the LightningModule (stock
-    ``nn.Transformer*`` layers included) and every Hugging Face eager attention module, maps each weight to the
-    (query token id, key token id) pair it connects and accumulates, on the module's device, the sums of
-    ``docs/reading.md``: ``S[h, a, b]``, ``C[a, b]``, ``Q[a]``, ``U[a, b]`` and position sums. At the end of each
+    ``nn.Transformer*`` layers included) and every Hugging Face eager attention module, and recomputes the weights of
+    every ``scaled_dot_product_attention`` call made by a module that calls it (Hugging Face sdpa models included;
+    ``docs/how-it-works.md``), maps each weight to the (query token id, key token id) pair it connects and
+    accumulates, on the module's device, the sums of ``docs/reading.md``: ``S[h, a, b]``, ``C[a, b]``, ``Q[a]``,
+    ``U[a, b]`` and position sums. At the end of each
     monitored epoch it logs, from ``P = S / Q[:, None]`` per head and its mean ``P̄``: scalars (asymmetry, entropy,
     lift, position statistics, sink mass, drift, skipped rows; per head too) to every logger, and heatmaps and
     tables to TensorBoard. ``docs/tags.md`` lists every tag with its formula.
@@ -51,8 +53,8 @@ class AttentionMonitor(Callback):
             ids). Ids are shown when None.
         modules: fnmatch patterns over ``named_modules()`` names selecting the attention modules; all when None.
         attention_streams: fnmatch pattern -> ``(query_stream, key_stream)``, first match wins. Needed only when
-            there are several streams and the modules are not stock ``nn.Transformer`` layers fed by streams named
-            ``src`` and ``tgt``.
+            there are several streams and the modules are neither stock ``nn.Transformer`` layers nor a Hugging Face
+            encoder-decoder's, fed by streams named ``src`` and ``tgt``.
         ignore_ids: token ids excluded as queries and as keys (padding, say); they may lie outside the vocabulary.
         batch_first: layout of the token id tensors in the batch: ``(B, L)`` when True, ``(L, B)`` when False.
         top_k: how many of the most frequent query and key tokens the heatmaps show.
