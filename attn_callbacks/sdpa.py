@@ -19,6 +19,7 @@ from :meth:`SdpaWatch.start_batch` on, so that a module calling it several times
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
@@ -109,14 +110,23 @@ def unreadable_attention(module: nn.Module) -> str | None:
 
 
 def _names_in(module: nn.Module, name: str) -> bool:
-    functions = [
-        value
-        for cls in type(module).__mro__
-        if cls not in (nn.Module, object) and issubclass(cls, nn.Module)
-        for value in vars(cls).values()
-    ]
-    functions += list(vars(module).values())  # a function kept on the instance (torchtune's attention call)
-    return any(name in _code_names(function) for function in functions)
+    if name in _class_names(type(module)):
+        return True
+    # a function kept on the instance (torchtune's attention call)
+    return any(name in _code_names(value) for value in vars(module).values())
+
+
+@functools.cache
+def _class_names(cls: type) -> frozenset[str]:
+    """The names the code of a module class and its bases below ``nn.Module`` refers to (once per class)."""
+    return frozenset().union(
+        *(
+            _code_names(value)
+            for base in cls.__mro__
+            if base not in (nn.Module, object) and issubclass(base, nn.Module)
+            for value in vars(base).values()
+        )
+    )
 
 
 def _code_names(function: Any) -> frozenset[str]:

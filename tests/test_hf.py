@@ -138,11 +138,12 @@ def test_hf_cross_attention_modules_are_found_with_their_own_shapes():
     assert list(captured) == cross and captured[cross[0]][0].shape == (4, HEADS, LENGTH, 3)
 
 
-def test_hf_monitor_sums_equal_a_float64_loop_over_output_attentions(tmp_path):
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_hf_monitor_sums_equal_a_float64_loop_over_output_attentions(tmp_path, attn_implementation):
     seed_everything(0)
-    model = tiny()
+    model = tiny()  # eager: the reference's output_attentions; the monitored model has the same weights
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], sink_ids=[CLS, SEP], export="pt")
-    validate(tmp_path, monitor, model)
+    validate(tmp_path, monitor, tiny(attn_implementation=attn_implementation))
     record = load_epoch(next((tmp_path / "tb").rglob("*.pt")))
     S = torch.zeros(LAYERS, HEADS, VOCAB, VOCAB, dtype=torch.float64)
     Q = torch.zeros(VOCAB, dtype=torch.float64)
@@ -460,13 +461,17 @@ def eager_weights(kind, model, batch):
     return weights
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "t5", "bart", "marian"])
-def test_hf_sdpa_models_log_the_position_statistics_of_their_float64_eager_twin(tmp_path, kind):
+@pytest.mark.parametrize(
+    ("kind", "attn_implementation"),
+    [("gpt2", "sdpa"), ("llama", "sdpa"), ("t5", "sdpa"), ("t5", "eager"), ("bart", "sdpa"), ("bart", "eager"),
+     ("marian", "sdpa")],
+)  # fmt: skip
+def test_hf_models_log_the_position_statistics_of_their_float64_eager_twin(tmp_path, kind, attn_implementation):
     from _reference import naive_position_sums
 
     batches = generative_batches(kind)
     streams = {"src": "input_ids", "tgt": "decoder_input_ids"} if kind in SEQ2SEQ else "input_ids"
-    model = generative(kind, "sdpa")
+    model = generative(kind, attn_implementation)
     plain = Generating(model)
     Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).validate(
         plain, DataLoader(batches, batch_size=None), verbose=False
