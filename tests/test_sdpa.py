@@ -370,3 +370,21 @@ def test_a_module_calling_sdpa_twice_logs_each_call_and_keeps_its_sums_for_the_n
         nxt = {tag: v for tag, v in logged.items() if tag.startswith("attention_position/next/")}
         assert nxt["attention_position/next/model.attn"] == 0.0  # the causal call sees no next position
         assert nxt["attention_position/next/model.attn.call1"] > 0.05  # the second call does
+
+
+def test_sdpa_sums_are_checked_against_the_budget_at_the_first_call_and_feed_the_probe(tmp_path):
+    model = TinyGPT().eval()
+    with pytest.raises(MisconfigurationException, match="over argument `memory_budget`=1000 B"):
+        run(
+            tmp_path / "small",
+            model,
+            AttentionMonitor(vocab_size=12, token_ids="ids", memory_budget=1000),
+            gpt_batches(),
+        )
+    assert not torch.overrides._get_current_function_mode_stack()  # the watch was left on the way out
+    monitor = AttentionMonitor(vocab_size=12, token_ids="ids", probe="first", probe_samples=2, modules=["*.1.attn"])
+    _, trainer = run(tmp_path / "probe", model, monitor, gpt_batches())
+    events = EventAccumulator(trainer.logger.log_dir, size_guidance={"images": 0})
+    events.Reload()
+    probes = sorted(tag for tag in events.Tags()["images"] if tag.startswith("attention_probe/"))
+    assert probes == [f"attention_probe/model.blocks.1.attn/sample_{n}" for n in range(2)]  # the selected module
