@@ -308,8 +308,11 @@ class EpochSums:
 
     def allocate(self, name: str, shape: tuple[int, int, int], device: torch.device) -> None:
         """Zeroed sums ``(H, Vq, Vk)`` for every dataloader of a module first seen mid-epoch (an SDPA call), with the
-        budget checked over all the sums held."""
-        self.check_budget({**self._shapes(), name: shape}, self.loaders, log=False)  # logged by collect()
+        budget checked over all the sums held. Under DDP the check waits for :meth:`collect`, after :meth:`agree`, so
+        that every process refuses together (processes may see different calls; one refusing alone would leave the
+        others waiting in a collective)."""
+        if not _distributed():
+            self.check_budget({**self._shapes(), name: shape}, self.loaders, log=False)  # logged by collect()
         with torch.inference_mode(False):
             for idx in range(self.loaders):
                 self.metrics[(name, idx)] = AttentionAccumulator(*shape, mean_of_heads=not self.per_head).to(device)
@@ -356,7 +359,7 @@ class EpochSums:
         SDPA call), all in one order, so that they are reduced alike; a collective. Returns the modules added here and
         their ``(H, Vq, Vk)``; nothing without a process group of several processes."""
         dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not _distributed():
             return {}
         shapes = self._shapes()
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -390,3 +393,9 @@ class EpochSums:
         for metric in self.metrics.values():
             metric.reset()
         self._pairs.clear()
+
+
+def _distributed() -> bool:
+    """Whether this process is one of several in a process group."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -209,6 +209,7 @@ class AttentionMonitor(Callback):
         )
         self._attention: dict[str, nn.Module] = {}
         self._heads: dict[str, int] = {}  # module -> number of heads
+        self._devices: dict[str, torch.device] = {}  # SDPA call -> the device of its weights (a module may hold none)
         self._capture: AttentionCapture | None = None
         self._dataloader_idx = 0
         self._stage_prefix = self.prefix  # f"{prefix}_test" while a test epoch is monitored
@@ -314,7 +315,7 @@ class AttentionMonitor(Callback):
         if self._capture.watched:  # processes may have seen different SDPA calls: agree first (a collective)
             for name, (heads, _, _) in self._sums.agree(pl_module.device).items():
                 self._wire_call(name)
-                self._heads[name] = heads
+                self._heads[name], self._devices[name] = heads, pl_module.device
         per_loader, merged = self._sums.collect()  # a collective under DDP
         if not any(int(stats.query_count.sum()) for stats in merged.values()):
             if not self._monitored_batches:
@@ -396,7 +397,7 @@ class AttentionMonitor(Callback):
         self._stage_prefix = stage_prefix
         with torch.inference_mode(False):
             self._streams.choose_tracked(loaders, limits, trainer.strategy)
-            devices = {name: module_device(self._module_of(name)) for name in self._heads}
+            devices = {name: self._devices.get(name) or module_device(self._module_of(name)) for name in self._heads}
             self._sums.start(self._shapes(), devices, max(len(batches), 1))
         self._schedule.check_loaders(loaders)
         self._probe.weights.clear()
@@ -476,6 +477,13 @@ class AttentionMonitor(Callback):
         """Wire and allocate the sums of an SDPA call (a module's first, or its k-th call of a batch) seen for the first
         time; kept for later epochs, which allocate it when they start."""
         self._wire_call(name)
-        self._heads[name] = weights.size(1)
+        pending = [stream for stream in self._streams.of[name] if self._streams.pending(stream)]
+        if pending:
+            raise RuntimeError(
+                f"AttentionMonitor: SDPA call {name!r} reads stream(s) {pending}, whose tracked ids are chosen "
+                "when the first monitored epoch starts, from the streams of the modules found in setup; map the call "
+                "to those streams in `attention_streams`, or give `tracked_ids` for these streams"
+            )
+        self._heads[name], self._devices[name] = weights.size(1), weights.device
         size = self._streams.size
         self._sums.allocate(name, (weights.size(1), *(size(s) for s in self._streams.of[name])), weights.device)

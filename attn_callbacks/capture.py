@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from attn_callbacks import hf
 from attn_callbacks.sdpa import SdpaWatch, calls_sdpa, unreadable_attention, unreadable_message
+from attn_callbacks.sdpa import compiling as _compiling
 
 __all__ = [
     "WRAPPER_PARTS",
@@ -114,11 +115,6 @@ class _EagerCompile(_Held):
         if cls.stance is not None and not _compiling():
             cls.stance.__exit__(None, None, None)
             cls.stance = None
-
-
-def _compiling() -> bool:
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling and is_compiling())
 
 
 #: Parts that wrappers insert into ``named_modules()`` names: ``torch.compile``'s ``OptimizedModule``, activation
@@ -368,7 +364,7 @@ class AttentionCapture:
         """Leave the watch entered by :meth:`start_watching`, if any."""
         watch, self._watch = self._watch, None
         if watch is not None:
-            watch.__exit__(None, None, None)
+            watch.leave()
 
     @contextmanager
     def watching(self) -> Iterator[AttentionCapture]:

@@ -9,6 +9,7 @@ them::
 with ``scale = 1 / sqrt(E)`` unless given, ``bias`` 0 where a boolean ``attn_mask`` is True and ``-inf`` where it is
 False, the float ``attn_mask`` itself otherwise, ``-inf`` above the diagonal of ``tril(ones(Lq, Lk))`` (top-left
 aligned) for ``is_causal=True``, and key heads repeated ``Hq / Hk`` times for ``enable_gqa=True``. Dropout is ignored.
+``attn_mask`` may also be one of PyTorch's ``CausalBias`` masks (``causal_upper_left`` / ``causal_lower_right``).
 The weights are computed in float32 (float64 for float64 inputs), a few samples at a time so memory stays bounded.
 
 A call belongs to the innermost watched module whose method made it (the frames of the call are walked up to it):
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["CHUNK_BYTES", "SdpaWatch", "calls_sdpa", "sdpa_weights", "unreadable_attention"]
@@ -59,7 +61,8 @@ def sdpa_weights(
 
     ``softmax(q kᵀ · scale + bias)`` over the keys, with the bias of the mask (boolean: True may attend; float: added)
     and of ``is_causal`` (top-left aligned ``tril(ones(Lq, Lk))``); ``enable_gqa`` repeats each key head
-    ``Hq / Hk`` times. A row with no key it may attend to is NaN.
+    ``Hq / Hk`` times. A row with no key it may attend to is NaN (SDPA's math kernel outputs zeros there): the
+    accumulator leaves such rows out and counts them as skipped.
 
     Args:
         query: ``(..., Hq, Lq, E)``.
@@ -172,9 +175,23 @@ class SdpaWatch(TorchFunctionMode):
         """Number the calls of each module from 0 again."""
         self.calls.clear()
 
+    def leave(self) -> None:
+        """Take this mode off the function-mode stack, wherever it is: a mode entered after it and still on the stack
+        (by a hook of the user's running between ours) stays there, in its place."""
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not any(mode is self for mode in stack):
+            return
+        above = []
+        while (top := torch._C._pop_torch_function_stack()) is not self:
+            above.append(top)
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
+        if compiling():  # dynamo traces this mode: frames are not there to walk, and nothing is read while tracing
+            return output
         if func is torch._C._nn.scaled_dot_product_attention:
             found = self._owner(sys._getframe(1))
             if found is not None:
@@ -201,6 +218,8 @@ class SdpaWatch(TorchFunctionMode):
         index = self.calls.get(name, 0)
         self.calls[name] = index + 1
         query, key, mask = call["query"], call["key"], call.get("attn_mask")
+        if isinstance(mask, CausalBias):  # PyTorch's causal_upper_left / causal_lower_right: (Lq, Lk) booleans
+            mask = mask._materialize(query.device)
         if query.dim() == 3:  # (B, L, E): one head
             query, key = query.unsqueeze(1), key.unsqueeze(1)
             mask = mask.unsqueeze(-3) if mask is not None and mask.dim() == 3 else mask
@@ -213,7 +232,8 @@ class SdpaWatch(TorchFunctionMode):
             batch = max(query.size(0), key.size(0))
             query, key = query.expand(batch, *query.shape[1:]), key.expand(batch, *key.shape[1:])
         batch, heads, len_q = query.shape[:3]
-        per_sample = 3 * heads * len_q * key.size(-2) * 4  # weights and two temporaries, float32
+        itemsize = 8 if query.dtype == torch.float64 else 4
+        per_sample = 3 * heads * len_q * key.size(-2) * itemsize  # weights and two temporaries
         step = max(1, self.chunk_bytes // max(per_sample, 1))
         with torch.no_grad():
             for start in range(0, batch, step):
@@ -227,6 +247,12 @@ class SdpaWatch(TorchFunctionMode):
                     bool(call.get("enable_gqa", False)),
                 )
                 self.consumer(name, index, module, weights, rows)
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the code that calls this (False where torch cannot tell)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling and is_compiling())
 
 
 def _rows_of(mask: Tensor | None, rows: slice, batch: int) -> Tensor | None:

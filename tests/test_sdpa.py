@@ -388,3 +388,43 @@ def test_sdpa_sums_are_checked_against_the_budget_at_the_first_call_and_feed_the
     events.Reload()
     probes = sorted(tag for tag in events.Tags()["images"] if tag.startswith("attention_probe/"))
     assert probes == [f"attention_probe/model.blocks.1.attn/sample_{n}" for n in range(2)]  # the selected module
+
+
+def test_causal_bias_masks_are_read_as_the_booleans_they_stand_for():
+    from torch.nn.attention.bias import causal_lower_right
+
+    class LowerRight(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.size(-2), k.size(-2)))
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4)
+    model = nn.ModuleDict({"attn": LowerRight()})
+    with capture_attention(model) as weights, torch.no_grad():
+        out = model["attn"](q, k, v)
+    (w,) = weights["attn"]
+    assert torch.equal(w[..., 0, 3:] == 0, torch.ones(2, 2, 2, dtype=torch.bool))  # query 0 sees keys 0..2 only
+    torch.testing.assert_close(w @ v, out, atol=1e-6, rtol=1e-6)
+
+
+def test_the_watch_leaves_the_mode_stack_by_identity_and_stays_out_of_compiled_tracing():
+    model = TinyGPT()
+    capture = AttentionCapture(find_attention_modules(model), lambda *call: None).attach()
+    other = torch.overrides.TorchFunctionMode()
+    try:
+        capture.start_watching()
+        other.__enter__()  # a mode of the user's, entered after ours and left after ours
+        capture.stop_watching()
+        assert torch.overrides._get_current_function_mode_stack() == [other]
+        other.__exit__(None, None, None)
+    finally:
+        capture.detach()
+    assert not torch.overrides._get_current_function_mode_stack()
+    # Traced by dynamo while watching (no eager stance held): no frames to walk, nothing read, no error.
+    compiled = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="eager", fullgraph=True)
+    q = torch.randn(1, 2, 3, 4)
+    try:
+        with SdpaWatch({"attn": model.blocks[0].attn}, lambda *call: None):
+            torch.testing.assert_close(compiled(q), F.scaled_dot_product_attention(q, q, q))
+    finally:
+        torch._dynamo.reset()
