@@ -251,7 +251,7 @@ class EpochSums:
         self._pairs: dict[tuple, Tensor] = {}  # this batch's pair index per (query, key) stream and rows
         self._calls: set[str] = set()  # modules that ran in this batch
         self._warned: set[str] = set()  # modules warned of for running more than once in a batch
-        self._budget_logged = False
+        self._logged_total = 0  # the bytes of sums last logged: logged again when SDPA calls add to them
 
     def state_bytes(self, shapes: Mapping[str, tuple[int, int, int]], loaders: int) -> dict[str, int]:
         """Bytes of sums each module will hold per device (all its dataloaders); ``shapes``: module -> ``(H, Vq,
@@ -262,12 +262,13 @@ class EpochSums:
         }
 
     def check_budget(self, shapes: Mapping[str, tuple[int, int, int]], loaders: int, log: bool = True) -> None:
-        """Log the bytes the sums will hold (once), and refuse with the figure and the knobs when over budget."""
+        """Log the bytes the sums will hold (once, and again when they grow: SDPA calls allocate theirs at the first
+        call), and refuse with the figure and the knobs when over budget."""
         per_module = self.state_bytes(shapes, loaders)
         total = sum(per_module.values())
         budget = self.memory_budget
-        if log and not self._budget_logged and loaders > 0 and per_module:
-            self._budget_logged = True
+        if log and total > self._logged_total and loaders > 0 and per_module:
+            self._logged_total = total
             rank_zero_info(
                 f"AttentionMonitor: {len(per_module)} attention module(s) × {loaders} dataloader(s) will hold "
                 f"{format_bytes(total)} of attention sums per device (memory_budget: "
@@ -379,7 +380,7 @@ class EpochSums:
     def collect(self) -> tuple[dict[tuple[str, int], AttentionStats], dict[str, AttentionStats]]:
         """Every (module, dataloader)'s statistics and every module's over all dataloaders. A collective under DDP:
         views of the state, summed in place with no copy, valid until :meth:`reset`."""
-        self.check_budget(self._shapes(), self.loaders)  # logs the figure once, where no sums were known at the start
+        self.check_budget(self._shapes(), self.loaders)  # logs the figure again where SDPA calls added sums
         per_loader = {key: metric.stats(in_place=True) for key, metric in self.metrics.items()}
         loaders = 1 + max((idx for _, idx in per_loader), default=0)
         merged = {

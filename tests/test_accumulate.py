@@ -273,3 +273,16 @@ def test_accumulator_and_summary_on_cuda_equal_the_cpu_kernels():
         torch.testing.assert_close(summaries["cuda"].layer[name].cpu(), value, rtol=1e-4, atol=1e-6, msg=name)
     for name, value in summaries["cpu"].heads.items():
         torch.testing.assert_close(summaries["cuda"].heads[name].cpu(), value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_epoch_sums_log_their_bytes_again_when_a_first_call_adds_to_them(caplog):
+    caplog.set_level("INFO")
+    sums = EpochSums(memory_budget=10**9)
+    sums.start({"mha": (2, 3, 3)}, {"mha": torch.device("cpu")}, loaders=1)
+    sums.start({"mha": (2, 3, 3)}, {"mha": torch.device("cpu")}, loaders=1)  # the same figure: not again
+    sums.allocate("sdpa", (4, 3, 3), torch.device("cpu"))  # mid-epoch, checked but logged at collect
+    sums.collect()
+    lines = [r.getMessage() for r in caplog.records if "of attention sums per device" in r.getMessage()]
+    single = AttentionAccumulator.state_bytes(2, 3, 3)
+    both = single + AttentionAccumulator.state_bytes(4, 3, 3)
+    assert [line.split(" will hold ")[1].split(" of ")[0] for line in lines] == [f"{single} B", f"{both} B"], lines
