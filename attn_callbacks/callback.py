@@ -254,6 +254,7 @@ class AttentionMonitor(Callback):
                 if name not in self._capture.watched
             }
             self._heads.update(seen)
+            self._devices = {}  # this stage's model may live elsewhere: learnt again at the first calls
             self._streams.wire(list(self._attention), pl_module, self.attention_streams)
             for name in seen:
                 self._wire_call(name)
@@ -398,7 +399,10 @@ class AttentionMonitor(Callback):
         self._stage_prefix = stage_prefix
         with torch.inference_mode(False):
             self._streams.choose_tracked(loaders, limits, trainer.strategy)
-            devices = {name: self._devices.get(name) or module_device(self._module_of(name)) for name in self._heads}
+            home = trainer.lightning_module.device  # for a module holding no tensor whose calls were not seen here
+            devices = {
+                name: self._devices.get(name) or module_device(self._module_of(name), home) for name in self._heads
+            }
             self._sums.start(self._shapes(), devices, max(len(batches), 1))
         self._schedule.check_loaders(loaders)
         self._probe.weights.clear()

@@ -215,11 +215,12 @@ def _filter(named: dict[str, nn.Module], found: dict[str, nn.Module], patterns: 
     return {name: m for name, m in found.items() if name in kept}  # model order, not pattern order
 
 
-def module_device(module: nn.Module) -> torch.device:
-    """The device of a module's first parameter; the CPU for a module without parameters."""
-    for tensor in module.parameters():
+def module_device(module: nn.Module, default: torch.device | None = None) -> torch.device:
+    """The device of a module's first parameter (or buffer); ``default`` (the CPU when None) for a module holding
+    neither."""
+    for tensor in (*module.parameters(), *module.buffers()):
         return tensor.device
-    return torch.device("cpu")
+    return torch.device("cpu") if default is None else default
 
 
 def num_heads(module: nn.Module, name: str = "") -> int:

@@ -2,7 +2,13 @@ import pytest
 import torch
 from torch import nn
 
-from attn_callbacks.capture import AttentionCapture, capture_attention, clean_name, find_attention_modules
+from attn_callbacks.capture import (
+    AttentionCapture,
+    capture_attention,
+    clean_name,
+    find_attention_modules,
+    module_device,
+)
 
 
 def encoder(batch_first=True, layers=2, nested=True):
@@ -276,3 +282,11 @@ def test_a_capture_inside_a_compiled_function_reads_the_calls_and_leaves_the_sta
 
     assert run(torch.randn(3, 1, 8))[1] == 1
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_module_device_reads_parameters_then_buffers_then_the_default():
+    assert module_device(nn.Linear(2, 2)) == torch.device("cpu")
+    norm = nn.BatchNorm1d(2, affine=False)  # buffers only
+    assert module_device(norm.to("meta")) == torch.device("meta")
+    assert module_device(nn.Identity(), torch.device("meta")) == torch.device("meta")
+    assert module_device(nn.Identity()) == torch.device("cpu")
