@@ -299,7 +299,7 @@ class EpochSums:
                 for idx in range(loaders):
                     metric = self.metrics.get((name, idx))
                     if metric is None:
-                        metric = AttentionAccumulator(*shape, mean_of_heads=not self.per_head)
+                        metric = self._accumulator(shape)
                         self.metrics[(name, idx)] = metric
                     metric.to(devices[name])
                     if metric.update_count or metric.summed_in_place:  # an interrupted epoch's; else zero
@@ -314,9 +314,16 @@ class EpochSums:
         others waiting in a collective)."""
         if not _distributed():
             self.check_budget({**self._shapes(), name: shape}, self.loaders, log=False)  # logged by collect()
-        with torch.inference_mode(False):
+        self._add(name, shape, device)
+
+    def _accumulator(self, shape: tuple[int, int, int]) -> AttentionAccumulator:
+        return AttentionAccumulator(*shape, mean_of_heads=not self.per_head)
+
+    def _add(self, name: str, shape: tuple[int, int, int], device: torch.device) -> None:
+        """Zeroed sums of a module for every dataloader of the epoch, on ``device``."""
+        with torch.inference_mode(False):  # state tensors must be normal tensors, not inference tensors
             for idx in range(self.loaders):
-                self.metrics[(name, idx)] = AttentionAccumulator(*shape, mean_of_heads=not self.per_head).to(device)
+                self.metrics[(name, idx)] = self._accumulator(shape).to(device)
 
     def start_batch(self) -> None:
         self._pairs.clear()
@@ -367,10 +374,8 @@ class EpochSums:
         dist.all_gather_object(everyone, list(shapes.items()))
         agreed = dict(pair for part in everyone for pair in part)  # first seen first: the same order everywhere
         added = {name: shape for name, shape in agreed.items() if name not in shapes}
-        with torch.inference_mode(False):
-            for name, shape in added.items():
-                for idx in range(self.loaders):
-                    self.metrics[(name, idx)] = AttentionAccumulator(*shape, mean_of_heads=not self.per_head).to(device)
+        for name, shape in added.items():
+            self._add(name, shape, device)
         self.metrics = {(name, idx): self.metrics[(name, idx)] for name in agreed for idx in range(self.loaders)}
         return added
 

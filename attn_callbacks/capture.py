@@ -187,8 +187,8 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     for name, module in found.items():
         if name in hf_modules:
             hf.check_readable(name, module)
-        elif not isinstance(module, nn.MultiheadAttention) and unreadable_attention(module):
-            raise ValueError(unreadable_message(name, module, unreadable_attention(module)))
+        elif not isinstance(module, nn.MultiheadAttention) and (function := unreadable_attention(module)):
+            raise ValueError(unreadable_message(name, module, function))
     return found
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "attention_records",
     "check_readable",
     "implementation",
+    "missing_key_hint",
     "no_weights_message",
     "seq2seq_streams",
     "unsupported_hint",
@@ -87,10 +88,11 @@ def unsupported_hint(model: nn.Module) -> str:
     )
 
 
-def seq2seq_streams(model: nn.Module, names: dict[str, tuple[int, bool]]) -> dict[str, tuple[str, str]]:
-    """(query stream, key stream) of the attention modules (``names``: :func:`attention_records`) of every Hugging
-    Face encoder-decoder model in ``model``, with the streams ``nn.Transformer`` names: encoder self-attention
-    ``("src", "src")``, decoder self-attention ``("tgt", "tgt")``, cross-attention ``("tgt", "src")``."""
+def seq2seq_streams(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """(query stream, key stream) of the attention modules (:func:`attention_records`) of every Hugging Face
+    encoder-decoder model in ``model``, by ``named_modules()`` name, with the streams ``nn.Transformer`` names:
+    encoder self-attention ``("src", "src")``, decoder self-attention ``("tgt", "tgt")``, cross-attention
+    ``("tgt", "src")``."""
     transformers = sys.modules.get("transformers")
     if transformers is None:
         return {}
@@ -102,11 +104,25 @@ def seq2seq_streams(model: nn.Module, names: dict[str, tuple[int, bool]]) -> dic
                 if id(part) in ids:
                     parts.setdefault(ids[id(part)], stream)
     roles: dict[str, tuple[str, str]] = {}
-    for name, (_, cross) in names.items():
+    for name, (_, cross) in attention_records(model).items():
         stream = next((s for prefix, s in parts.items() if name.startswith(f"{prefix}.")), None)
         if stream is not None:
             roles[name] = ("tgt", "src") if cross else (stream, stream)
     return roles
+
+
+def missing_key_hint(key: Any, batch: Any) -> str:
+    """Why a seq2seq batch may lack ``key``, and how to add it: ``""`` unless ``key`` is ``decoder_input_ids`` and the
+    batch holds ``labels``."""
+    if key != "decoder_input_ids" or "labels" not in batch:
+        return ""
+    return (
+        ". A Hugging Face encoder-decoder given `labels` alone derives decoder_input_ids inside forward (labels "
+        "shifted right), where the monitor cannot read them: put them in the batch, with "
+        "transformers.DataCollatorForSeq2Seq(tokenizer, model=model), or in the LightningModule's "
+        'on_after_batch_transfer: batch["decoder_input_ids"] = '
+        'model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])'
+    )
 
 
 def _part(model: nn.Module, getter: str) -> nn.Module | None:

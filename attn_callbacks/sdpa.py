@@ -15,7 +15,8 @@ The weights are computed in float32 (float64 for float64 inputs), a few samples 
 A call belongs to the innermost watched module whose method made it (the frames of the call are walked up to it):
 modules whose code calls the function (:func:`calls_sdpa`), and Hugging Face attention modules run with
 ``attn_implementation="sdpa"``, whose calls go through ``transformers``' own helpers. Calls are numbered per module
-from :meth:`SdpaWatch.start_batch` on, so that a module calling it several times per batch can name them apart.
+from the watch's entry on (one watch per batch), so that a module calling it several times per batch can name them
+apart.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class SdpaWatch(TorchFunctionMode):
         modules: name -> module whose calls are watched; a call belongs to the innermost one whose method made it.
         consumer: called as ``consumer(name, index, module, weights, rows)`` with ``weights`` ``(b, Hq, Lq, Lk)`` for
             the samples ``rows`` of the call's batch (a 3-D call ``(B, L, E)`` counts as one head); ``index`` counts the
-            module's calls since :meth:`start_batch`, from 0.
+            module's calls since this watch was made, from 0.
         chunk_bytes: the most bytes of weights per consumer call (at least one sample).
     """
 
@@ -169,11 +170,7 @@ class SdpaWatch(TorchFunctionMode):
         self.modules = {id(module): (name, module) for name, module in modules.items()}
         self.consumer = consumer
         self.chunk_bytes = chunk_bytes
-        self.calls: dict[str, int] = {}  # calls per watched module since start_batch()
-
-    def start_batch(self) -> None:
-        """Number the calls of each module from 0 again."""
-        self.calls.clear()
+        self.calls: dict[str, int] = {}  # calls per watched module since this watch was made
 
     def leave(self) -> None:
         """Take this mode off the function-mode stack, wherever it is: a mode entered after it and still on the stack

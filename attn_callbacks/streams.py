@@ -126,9 +126,7 @@ class Streams:
     def wire_call(self, name: str, base: str, attention_streams: Mapping[str, Any] | None) -> None:
         """The streams of an SDPA call named apart from its module ``base`` (``base.call1``...): the first pattern of
         ``attention_streams`` matching the call's name, else the module's own."""
-        rules = attention_streams or {}
-        pair = next((tuple(p) for pattern, p in rules.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        self.of[name] = pair or self.of[base]  # type: ignore[assignment]
+        self.of[name] = _first_rule(name, attention_streams or {}) or self.of[base]
 
     def used(self) -> list[str]:
         """The streams some module reads, in order."""
@@ -331,18 +329,9 @@ def read_stream(batch: Any, stream: str, source: TokenSource, batch_first: bool 
             raise RuntimeError(f"The `token_ids` callable for stream {stream!r} raised {err!r}") from err
     elif isinstance(batch, Mapping):
         if source not in batch:
-            hint = ""
-            if source == "decoder_input_ids" and "labels" in batch:
-                hint = (
-                    ". A Hugging Face encoder-decoder given `labels` alone derives decoder_input_ids inside forward "
-                    "(labels shifted right), where the monitor cannot read them: put them in the batch, with "
-                    "transformers.DataCollatorForSeq2Seq(tokenizer, model=model), or in the LightningModule's "
-                    'on_after_batch_transfer: batch["decoder_input_ids"] = '
-                    'model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])'
-                )
             raise KeyError(
                 f"Batch key {source!r} of argument `token_ids` (stream {stream!r}) is not in the batch; "
-                f"keys: {list(batch)}{hint}"
+                f"keys: {list(batch)}{hf.missing_key_hint(source, batch)}"
             )
         ids = batch[source]
     elif isinstance(source, int) and isinstance(batch, Sequence):
@@ -427,10 +416,10 @@ def resolve_streams(
                 f"of `token_ids` are {list(streams)}"
             )
     named = named_modules(model)  # clean names, as the modules are named
-    seq2seq = {clean_name(name): pair for name, pair in hf.seq2seq_streams(model, hf.attention_records(model)).items()}
+    seq2seq = {clean_name(name): pair for name, pair in hf.seq2seq_streams(model).items()}
     resolved: dict[str, tuple[str, str]] = {}
     for name in modules:
-        pair = next((tuple(p) for pattern, p in rules.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        pair = _first_rule(name, rules)
         if pair is None and len(streams) == 1:
             pair = (streams[0], streams[0])
         if pair is None:
@@ -444,6 +433,11 @@ def resolve_streams(
             )
         resolved[name] = pair  # type: ignore[assignment]
     return resolved
+
+
+def _first_rule(name: str, rules: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The ``(query_stream, key_stream)`` of the first ``attention_streams`` pattern matching a module name."""
+    return next((tuple(p) for pattern, p in rules.items() if fnmatch.fnmatchcase(name, pattern)), None)
 
 
 def most_frequent_ids(counts: Tensor, k: int, always: Sequence[int] = ()) -> Tensor:
