@@ -10,27 +10,26 @@ from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.collections import PathCollection, QuadMesh
+from matplotlib.collections import QuadMesh
 from matplotlib.figure import Figure
-from matplotlib.text import Text
 
 from attn_callbacks.figures import (
     _BAR_GID,
     _BAR_LABEL_GID,
     _CELL_GID,
     _GRID_TITLE,
+    _TICK_GID,
     _TITLE_GID,
     _bar_labels,
     _beside,
     _cell_colours,
-    _font_size,
-    _number_path,
     abs_max,
     cell_text,
     head_grid,
     heatmap,
     value_grid,
 )
+from attn_callbacks.outlines import Words
 
 __all__ = ["FigureCache"]
 
@@ -137,7 +136,7 @@ class FigureCache:
         cells = [cell_text(float(value)) for value in values.ravel()]
         return self._render(
             layout,
-            _Texts(title, colorbar_label, cells, _font_size(len(row_labels), len(col_labels))),
+            _Texts(title, colorbar_label, cells),
             [values],
             limit,
             False,
@@ -169,22 +168,21 @@ class FigureCache:
             for mesh, matrix in zip(kept.meshes, panels, strict=True):
                 mesh.set_array(matrix)
                 mesh.set_clim(-limit if diverging else 0.0, limit)
-            for text, number in zip(kept.numbers, numbers, strict=True):
-                text.set_text(number)
-            kept.heading.set_text(texts.title)
-            kept.label.set_text(texts.colorbar_label)
-            kept.label.set_transform(_beside(kept.label.axes, numbers))
+            kept.numbers.set_texts(numbers)
+            kept.heading.set_texts([texts.title])
+            kept.label.set_texts([texts.colorbar_label])
+            kept.label.set_offset_transform(_beside(kept.label.axes, numbers))
             if kept.cells is not None:
-                kept.cells.set_paths([_number_path(text, texts.cell_size) for text in texts.cells])
+                kept.cells.set_texts(texts.cells)
                 kept.cells.set_facecolor(_cell_colours(kept.meshes[0], panels[0]))
             kept.canvas.restore_region(kept.background)
         figure = kept.figure
         for mesh in kept.meshes:
             figure.draw_artist(mesh)
-            for artist in [*mesh.axes.lines, *mesh.axes.spines.values()]:  # over the cells, as in a full draw
+            for artist in _overlays(mesh):  # over the cells, as in a full draw
                 figure.draw_artist(artist)
         cells = [] if kept.cells is None else [kept.cells]
-        for artist in [*cells, *kept.numbers, kept.heading, kept.label]:
+        for artist in [*cells, kept.numbers, kept.heading, kept.label]:
             figure.draw_artist(artist)
         pixels = np.asarray(kept.canvas.buffer_rgba())  # (H, W, 4), the canvas' own buffer: copied before it is reused
         return pixels.copy() if alpha else pixels[..., :3].copy()
@@ -197,7 +195,6 @@ class _Texts:
     title: str
     colorbar_label: str
     cells: list[str] = field(default_factory=list)
-    cell_size: int = 0  # their font size
 
 
 @dataclass
@@ -207,24 +204,29 @@ class _Kept:
     figure: Figure
     canvas: FigureCanvasAgg
     meshes: list[QuadMesh]
-    numbers: list[Text]  # the colour bar's
-    heading: Text
-    label: Text  # the colour bar's
-    cells: PathCollection | None  # a value grid's numbers, row by row
+    numbers: Words  # the colour bar's
+    heading: Words
+    label: Words  # the colour bar's
+    cells: Words | None  # a value grid's numbers, row by row
     background: Any
 
     @classmethod
     def of(cls, figure: Figure) -> _Kept:
         """Draw ``figure`` without the parts that change, keep those pixels, and draw it whole."""
-        texts = list(figure.findobj(Text))
-        numbers = [text for text in texts if text.get_gid() == _BAR_GID]
-        (heading,) = [text for text in texts if text.get_gid() == _TITLE_GID]
-        (label,) = [text for text in texts if text.get_gid() == _BAR_LABEL_GID]
-        cells = next((c for c in figure.axes[0].collections if c.get_gid() == _CELL_GID), None)
+        words = {text.get_gid(): text for text in figure.findobj(Words)}
+        numbers, heading, label = words[_BAR_GID], words[_TITLE_GID], words[_BAR_LABEL_GID]
+        cells = words.get(_CELL_GID)
         meshes = [mesh for ax in figure.axes[:-1] for mesh in ax.collections if isinstance(mesh, QuadMesh)]
-        overlays = [artist for mesh in meshes for artist in [*mesh.axes.lines, *mesh.axes.spines.values()]]
-        for artist in [*meshes, *overlays, *numbers, heading, label, *([] if cells is None else [cells])]:
+        overlays = [artist for mesh in meshes for artist in _overlays(mesh)]
+        for artist in [*meshes, *overlays, numbers, heading, label, *([] if cells is None else [cells])]:
             artist.set_animated(True)  # left out of the full draw: the kept background has none of them
         canvas = FigureCanvasAgg(figure)
         canvas.draw()
         return cls(figure, canvas, meshes, numbers, heading, label, cells, canvas.copy_from_bbox(figure.bbox))
+
+
+def _overlays(mesh: QuadMesh) -> list[Any]:
+    """What a full draw puts over a panel's cells: its lines (a value grid's group lines) and spines, not its tick
+    marks (outside the panel, part of the kept background)."""
+    lines = [line for line in mesh.axes.lines if line.get_gid() != _TICK_GID]
+    return [*lines, *mesh.axes.spines.values()]

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 
 import numpy as np
 from matplotlib import transforms
-from matplotlib.collections import PathCollection, QuadMesh
+from matplotlib.collections import QuadMesh
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
-from matplotlib.font_manager import FontProperties
-from matplotlib.path import Path
-from matplotlib.textpath import TextPath
+from matplotlib.lines import Line2D
+from matplotlib.markers import TICKDOWN, TICKLEFT, TICKRIGHT
+
+from attn_callbacks.outlines import Words, outline
 
 __all__ = ["abs_max", "cell_text", "head_grid", "heatmap", "value_grid"]
 
@@ -26,9 +27,14 @@ _AXIS_LABEL = 0.3  # inches for "query token (attending)" / "key token (attended
 _COLORBAR = 1.2  # inches right of the panels for the colour bar, its tick labels and its label
 _BAR_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the colour bar is marked, as fractions of its height
 _BAR_FONT = 8
+_TICK = 3.5  # points: a tick mark's length, and the gap between it and its label (matplotlib's defaults)
+_TICK_PAD = 3.5
+_LABEL_PAD = 4  # points between the tick labels and the axis name
 _BAR_GID = "colour bar number"  # marks the colour bar's numbers, which FigureCache redraws
 _BAR_LABEL_GID = "colour bar label"  # marks the colour bar's label, placed beside its numbers
 _CELL_GID = "cell value"  # marks the numbers printed in a value grid's cells
+_ROW_GID, _COL_GID = "row labels", "column labels"  # mark a heatmap's tick labels
+_TICK_GID = "tick marks"  # drawn once with the layout, unlike the axes' other lines
 _GRID_TITLE = 48  # characters of title a value grid always has room for
 _TITLE_GID = "figure title"  # marks the title (it names the layer), which FigureCache redraws
 
@@ -63,23 +69,58 @@ def _draw(
 
     Cells are a mesh of flat quads, not an image: matplotlib resamples an image to the output pixels and colour-maps
     every pixel, ~4× slower at 30 × 30 cells (measured). NaN cells are left blank: matplotlib masks invalid values
-    when the mesh is made and at every ``set_array``.
+    when the mesh is made and at every ``set_array``. Tick labels are :class:`~attn_callbacks.outlines.Words` and
+    the tick marks one line of markers, placed as matplotlib places its own (3.5 points long, labels 3.5 points
+    further): a ``Tick`` costs ~4 ms to create and its label ~1.5 ms to draw.
     """
     norm = TwoSlopeNorm(0.0, -limit, limit) if diverging else None
     vmin, vmax = (None, None) if diverging else (0.0, limit)
     mesh = ax.pcolormesh(matrix, cmap=_cmap(diverging), norm=norm, vmin=vmin, vmax=vmax, antialiased=False, snap=True)
     ax.invert_yaxis()
-    if cols is None:
-        ax.set_xticks([])
-    else:
-        ax.set_xticks(np.arange(len(cols)) + 0.5, cols, rotation=col_rotation, fontsize=size)  # cell j: [j, j + 1]
+    ax.set_xticks([])
+    ax.set_yticks([])
+    away = _TICK + _TICK_PAD  # points from the spine to a tick label
+    if cols is not None:
+        at = np.arange(len(cols)) + 0.5  # cell j spans [j, j + 1]
+        under = transforms.blended_transform_factory(ax.transData, ax.transAxes)
+        labels = _labels(
+            ax, cols, np.column_stack([at, np.zeros_like(at)]), under, size, "center", "top", col_rotation, (0, -away)
+        )
+        _marks(ax, at, np.zeros_like(at), under, TICKDOWN)
         ax.set_xlabel(axis_names[1], fontsize=8)
-    if rows is None:
-        ax.set_yticks([])
-    else:
-        ax.set_yticks(np.arange(len(rows)) + 0.5, rows, fontsize=size)
+        below = away + _reach(labels, 1) + _LABEL_PAD
+        ax.xaxis.set_label_coords(0.5, 0, transforms.offset_copy(ax.transAxes, ax.figure, y=-below, units="points"))
+    if rows is not None:
+        at = np.arange(len(rows)) + 0.5
+        left = transforms.blended_transform_factory(ax.transAxes, ax.transData)
+        labels = _labels(
+            ax, rows, np.column_stack([np.zeros_like(at), at]), left, size, "right", "center", 0, (-away, 0)
+        )
+        _marks(ax, np.zeros_like(at), at, left, TICKLEFT)
         ax.set_ylabel(axis_names[0], fontsize=8)
+        beside = away + _reach(labels, 0) + _LABEL_PAD
+        ax.yaxis.set_label_coords(0, 0.5, transforms.offset_copy(ax.transAxes, ax.figure, x=-beside, units="points"))
     return mesh
+
+
+def _labels(ax, texts, offsets, where, size, ha, va, rotation, shift) -> Words:
+    """Tick labels of ``ax`` as outlines, ``shift`` points from their anchors (outside the axes: not clipped)."""
+    words = Words(texts, offsets, where, size=size, ha=ha, va=va, rotation=rotation, shift=shift, dpi=ax.figure.dpi)
+    words.set(clip_on=False, gid=_ROW_GID if ha == "right" else _COL_GID)
+    ax.add_collection(words, autolim=False)
+    return words
+
+
+def _reach(words: Words, axis: int) -> float:
+    """How far (points) the longest of ``words`` reaches from its anchor along ``axis`` (0: x, 1: y)."""
+    return max((float(np.ptp(path.vertices[:, axis])) for path in words.get_paths() if len(path.vertices)), default=0)
+
+
+def _marks(ax, x, y, where, marker: int) -> None:
+    """Tick marks at ``(x, y)`` in ``where``'s coordinates, drawn as matplotlib draws its ticks."""
+    line = Line2D(x, y, transform=where, linestyle="none", marker=marker, markersize=_TICK, markeredgewidth=0.8)
+    line.set(color="black", clip_on=False, gid=_TICK_GID)
+    ax.add_artist(line)  # not a data line: no autoscaling
 
 
 def _bar_labels(limit: float, diverging: bool) -> list[str]:
@@ -111,30 +152,32 @@ def _colorbar(
         interpolation="nearest",
     )
     ax.set_xticks([])
-    ax.yaxis.tick_right()
-    ax.set_yticks(_BAR_FRACTIONS, [""] * len(_BAR_FRACTIONS))
-    pad = transforms.offset_copy(ax.transAxes, figure, x=6, units="points")  # past the tick marks
+    ax.set_yticks([])
+    fractions = np.array(_BAR_FRACTIONS)
+    _marks(ax, np.ones_like(fractions), fractions, ax.transAxes, TICKRIGHT)
     numbers = _bar_labels(limit, diverging)
-    for fraction, text in zip(_BAR_FRACTIONS, numbers, strict=True):
-        ax.text(1.0, fraction, text, transform=pad, fontsize=_BAR_FONT, va="center", gid=_BAR_GID)
-    ax.text(
-        1.0,
-        0.5,
-        label,
-        transform=_beside(ax, numbers),
-        rotation=90,
-        fontsize=_BAR_FONT,
-        va="center",
-        ha="left",
-        gid=_BAR_LABEL_GID,
+    offsets = np.column_stack([np.ones_like(fractions), fractions])
+    bar_numbers = Words(numbers, offsets, ax.transAxes, size=_BAR_FONT, ha="left", shift=(6, 0), dpi=figure.dpi)
+    label_words = Words(
+        [label], [(1.0, 0.5)], _beside(ax, numbers), size=_BAR_FONT, ha="left", rotation=90, dpi=figure.dpi
     )
+    for words, gid in ((bar_numbers, _BAR_GID), (label_words, _BAR_LABEL_GID)):
+        words.set(gid=gid, clip_on=False)
+        ax.add_collection(words, autolim=False)
 
 
 def _beside(bar, numbers: Sequence[str]) -> transforms.Transform:
     """The colour bar label's place: right of the widest of its numbers (the figure leaves room for the widest
     number .3g writes, "-1.23e+100")."""
-    widest = max(len(number) for number in numbers) * _BAR_FONT * _CHAR * 72
-    return transforms.offset_copy(bar.transAxes, bar.figure, x=8 + widest, units="points")
+    widest = max(float(np.ptp(outline(number, _BAR_FONT, "left").vertices[:, 0])) for number in numbers)
+    return transforms.offset_copy(bar.transAxes, bar.figure, x=6 + widest + 4, units="points")
+
+
+def _title(ax, text: str) -> None:
+    """The title of one heatmap, left above its panel, as outlines (the figure cache redraws it for every layer)."""
+    title = Words([text], [(0.0, 1.0)], ax.transAxes, size=9, ha="left", va="baseline", shift=(0, 6), dpi=ax.figure.dpi)
+    title.set(gid=_TITLE_GID, clip_on=False)
+    ax.add_collection(title, autolim=False)
 
 
 def _text_inches(text: str, size: int) -> float:
@@ -219,7 +262,7 @@ def heatmap(
     limit = abs_max(matrix) if vmax is None else vmax
     ax = figure.add_axes(panels[0][0])
     _draw(ax, matrix, row_labels, col_labels, diverging, limit, size)
-    ax.set_title(title, fontsize=9, loc="left", gid=_TITLE_GID)
+    _title(ax, title)
     _colorbar(figure, colorbar, colorbar_label, limit, diverging)
     return figure
 
@@ -264,7 +307,10 @@ def head_grid(
         rows = row_labels if c == 0 else None
         _draw(ax, matrices[h], rows, col_labels if bottom_of_column else None, diverging, limit, size)
         ax.set_title(titles[h], fontsize=9)
-    figure.suptitle(title, fontsize=10, x=0.02, ha="left", y=1 - 0.1 / figure.get_figheight(), va="top", gid=_TITLE_GID)
+    top = (0.02, 1 - 0.1 / figure.get_figheight())
+    figure.add_artist(
+        Words([title], [top], figure.transFigure, size=10, ha="left", va="top", dpi=figure.dpi, gid=_TITLE_GID)
+    )
     _colorbar(figure, colorbar, colorbar_label, limit, diverging)
     return figure
 
@@ -286,28 +332,6 @@ def cell_text(value: float) -> str:
     if 100 <= abs(value) < 10_000:
         return f"{value:.0f}"
     return f"{value:.0e}" if abs(value) >= 10_000 else f"{value:.1g}"
-
-
-_NUMBER_FONT = FontProperties()  # the default font, as Text uses
-_NUMBER_PATHS: dict[tuple[str, int], Path] = {}  # a cell number's outline, centred on (0, 0), by (text, font size)
-
-
-def _number_path(text: str, size: int) -> Path:
-    """The outline of ``text`` in points, its ink centred on (0, 0). A grid's numbers are one collection of these
-    paths, drawn in one call: matplotlib spends ~0.8 ms laying out and rendering each ``Text``, 30 times as long."""
-    key = (text, size)
-    path = _NUMBER_PATHS.get(key)
-    if path is None:
-        if not text:
-            path = Path(np.zeros((0, 2)))
-        else:
-            outline = TextPath((0, 0), text, size=size, prop=_NUMBER_FONT)  # a prop given: no font lookup each time
-            # The control points' box: Path.get_extents solves every curve's extrema, several times the outline's cost.
-            low, high = outline.vertices.min(axis=0), outline.vertices.max(axis=0)
-            path = outline.transformed(transforms.Affine2D().translate(*(-(low + high) / 2)))
-        if len(_NUMBER_PATHS) < 4096:  # cell_text's strings repeat; a bound on memory (~2 KB an outline)
-            _NUMBER_PATHS[key] = path
-    return path
 
 
 def _cell_colours(mesh: QuadMesh, values: np.ndarray) -> list[str]:
@@ -358,18 +382,18 @@ def value_grid(
     for row in groups:
         ax.axhline(row, color="white", linewidth=2.5)
     rows, cols = np.indices(values.shape)
-    numbers = PathCollection(
-        [_number_path(cell_text(float(value)), size) for value in values.ravel()],
-        offsets=np.column_stack([cols.ravel() + 0.5, rows.ravel() + 0.5]),  # cell (i, j) spans [j, j+1] x [i, i+1]
-        offset_transform=ax.transData,
-        transform=transforms.Affine2D().scale(figure.dpi / 72),  # the paths are in points
+    numbers = Words(
+        [cell_text(float(value)) for value in values.ravel()],
+        np.column_stack([cols.ravel() + 0.5, rows.ravel() + 0.5]),  # cell (i, j) spans [j, j+1] x [i, i+1]
+        ax.transData,
+        size=size,
+        va="ink",  # a number's digits centred in its cell
+        dpi=figure.dpi,
         facecolors=_cell_colours(mesh, values),
-        edgecolors="none",
-        linewidths=0,
         zorder=3,
         gid=_CELL_GID,
     )
     ax.add_collection(numbers, autolim=False)
-    ax.set_title(title, fontsize=9, loc="left", gid=_TITLE_GID)
+    _title(ax, title)
     _colorbar(figure, colorbar, colorbar_label, limit, False)
     return figure

@@ -148,6 +148,15 @@ def figure_to_array(figure: Figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
+def words(artist, gid):
+    """The :class:`~attn_callbacks.outlines.Words` of ``artist`` (a figure or an axes) marked ``gid``: its tick
+    labels, colour bar numbers or title, whose ``texts`` are the strings drawn."""
+    from attn_callbacks.outlines import Words
+
+    (found,) = [w for w in artist.findobj(Words) if w.get_gid() == gid]
+    return found
+
+
 @contextlib.contextmanager
 def spying(obj, method, spy):
     """Within the block, every ``obj.method(*args, **kwargs)`` first calls ``spy(*args, **kwargs)``."""

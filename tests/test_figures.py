@@ -3,8 +3,7 @@ import itertools
 
 import numpy as np
 import pytest
-from _reference import figure_to_array
-from matplotlib.text import Text
+from _reference import figure_to_array, words
 from PIL import Image
 
 from attn_callbacks import figure_cache, figures
@@ -26,7 +25,8 @@ def test_heatmap_renders_labelled_rgb_image():
     figure = figures.heatmap(matrix, ["the", "cat"], ["the", "cat"], "layer 0", "P")
     ax = figure.axes[0]
     assert ax.get_ylabel().startswith("query token") and ax.get_xlabel().startswith("key token")
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["the", "cat"]
+    assert words(ax, figures._ROW_GID).texts == ["the", "cat"] and words(ax, figures._COL_GID).texts == ["the", "cat"]
+    assert words(figure, figures._TITLE_GID).texts == ["layer 0"]
     assert len(figure.axes) == 2  # the colour bar
     image = figure_to_array(figure)
     assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3 and image.shape[0] > 100
@@ -123,17 +123,25 @@ def test_tick_labels_never_overlap_and_titles_fit_in_the_image(n):
     ):
         FigureCanvasAgg(figure).draw()
         renderer = figure.canvas.get_renderer()
+        labelled = 0
         for ax in figure.axes[:-1]:  # the last axes is the colour bar
-            rows = [t for t in ax.get_yticklabels() if t.get_text()]
-            cols = [t for t in ax.get_xticklabels() if t.get_text()]
-            row_boxes = [t.get_window_extent(renderer) for t in rows]
-            col_boxes = [t.get_window_extent(renderer) for t in cols]
-            assert _no_overlap(row_boxes, "y") and _no_overlap(col_boxes, "x")
-            assert all(_inside(figure, box) for box in row_boxes + col_boxes)
+            for gid, axis in ((figures._ROW_GID, "y"), (figures._COL_GID, "x")):
+                if not ax.findobj(lambda a, gid=gid: a.get_gid() == gid):
+                    continue  # an inner panel of a grid
+                drawn = words(ax, gid)
+                assert drawn.texts == labels
+                boxes = drawn.extents()
+                assert _no_overlap(boxes, axis) and all(_inside(figure, box) for box in boxes)
+                # the axis name sits beyond the labels, inside the image
+                name = (ax.xaxis if axis == "x" else ax.yaxis).label.get_window_extent(renderer)
+                assert _inside(figure, name)
+                assert all(name.y1 <= box.y0 + 0.5 if axis == "x" else name.x1 <= box.x0 + 0.5 for box in boxes)
+                labelled += 1
             if ax.get_title():
                 assert _inside(figure, ax.title.get_window_extent(renderer))
-        titles = [t for t in figure.findobj(Text) if layer in t.get_text()]
-        assert len(titles) == 1 and _inside(figure, titles[0].get_window_extent(renderer))  # the layer is never cut
+        assert labelled >= 2
+        (title,) = words(figure, figures._TITLE_GID).extents()
+        assert layer in words(figure, figures._TITLE_GID).texts[0] and _inside(figure, title)  # the layer is never cut
 
 
 def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
@@ -203,7 +211,9 @@ def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(dive
     background = pixels[int(height - ax.transAxes.transform((0.5, 1.0))[1]) + 3, 3]  # the figure's white
     for i in range(rows):
         # Tick label i sits on row i: the query labels are in matrix order, top to bottom.
-        assert ax.get_yticklabels()[i].get_text() == labels_r[i]
+        assert words(ax, figures._ROW_GID).texts[i] == labels_r[i]
+        label_box = words(ax, figures._ROW_GID).extents()[i]
+        assert label_box.y0 < ax.transData.transform((0, i + 0.5))[1] < label_box.y1
         for j in range(cols):
             x, y = ax.transData.transform((j + 0.5, i + 0.5))
             got = pixels[int(height - y), int(x)]
@@ -229,17 +239,18 @@ def test_colour_bar_reads_its_scale_at_five_marks_and_its_label_sits_beside_the_
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     pixels = np.asarray(canvas.buffer_rgba())[..., :3]
-    bar, renderer = figure.axes[-1], canvas.get_renderer()
-    numbers = [t for t in bar.texts if t.get_gid() == figures._BAR_GID]
+    bar = figure.axes[-1]
+    numbers = words(bar, figures._BAR_GID)
     low = -limit if diverging else 0.0
     if diverging:  # symmetric about 0
-        assert [t.get_text() for t in numbers[:2]] == ["-" + t.get_text() for t in numbers[:2:-1]]
-    assert [float(t.get_text()) for t in numbers] == pytest.approx(
+        assert numbers.texts[:2] == ["-" + t for t in numbers.texts[:2:-1]]
+    assert [float(t) for t in numbers.texts] == pytest.approx(
         [low + (limit - low) * f for f in np.linspace(0, 1, 5)], rel=5e-3
     )
-    (label,) = [t for t in bar.texts if t.get_text() == "attention mass P"]
-    boxes = [t.get_window_extent(renderer) for t in numbers]
-    label_box = label.get_window_extent(renderer)
+    label = words(bar, figures._BAR_LABEL_GID)
+    assert label.texts == ["attention mass P"]
+    boxes = numbers.extents()
+    (label_box,) = label.extents()
     assert all(_inside(figure, box) for box in [*boxes, label_box])
     assert _no_overlap(boxes, "y") and all(box.x1 < label_box.x0 for box in boxes)
     assert label_box.x0 - max(box.x1 for box in boxes) < 12  # next to the numbers, not far right of them
@@ -248,6 +259,6 @@ def test_colour_bar_reads_its_scale_at_five_marks_and_its_label_sits_beside_the_
         x, y = bar.transAxes.transform((0.5, fraction))
         got = pixels[int(figure.bbox.height - y), int(x)].astype(int)
         assert np.abs(got - np.round(np.array(cmap(fraction)[:3]) * 255)).max() <= 3, (fraction, got)
-    for number, box in zip(numbers, boxes, strict=True):  # each number sits at its mark
-        mark = bar.transAxes.transform((1.0, float(np.linspace(0, 1, 5)[numbers.index(number)])))[1]
+    for fraction, box in zip(np.linspace(0, 1, 5), boxes, strict=True):  # each number sits at its mark
+        mark = bar.transAxes.transform((1.0, fraction))[1]
         assert box.y0 < mark < box.y1
