@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["accumulate_attention_numba"]
+__all__ = ["accumulate_attention_numba", "up_filter"]
 
 # Fast-math without "nnan"/"ninf", under which LLVM may drop the finiteness test of the pre-check. "reassoc" is what
 # lets the row reductions vectorise; "contract" makes FMAs.
@@ -180,6 +180,21 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
     result[0] = -result[0]
     result[1] = result[1, 0]
     return result, dropped
+
+
+@numba.njit(cache=True, nogil=True)
+def up_filter(image, rows):  # pragma: no cover - compiled
+    """PNG scanlines of an ``(H, W, 3)`` or ``(H, W, 4)`` uint8 image into ``rows (H, 1 + 3 W)``: each row's filter
+    byte 2 ("Up"), then its RGB bytes minus the bytes above them, modulo 256 (the first row: as they are); alpha
+    dropped. One pass, where numpy needs a copy without the alpha and a subtraction (the writer thread's largest
+    cost after zlib)."""
+    height, width = image.shape[0], image.shape[1]
+    for y in range(height):
+        rows[y, 0] = 2
+        for x in range(width):
+            for c in range(3):
+                above = image[y - 1, x, c] if y > 0 else 0
+                rows[y, 1 + 3 * x + c] = (image[y, x, c] - above) & 0xFF
 
 
 def accumulate_attention_numba(

@@ -36,12 +36,21 @@ def top_pairs(score: Tensor, pair_count: Tensor, k: int, min_support: int = 1) -
     Returns:
         Up to ``k`` tuples ``(a, b, score[a, b])``, largest first (ties: smaller flat index first).
     """
-    candidates = (pair_count >= min_support).reshape(-1).nonzero()[:, 0]  # ascending flat index
-    values = score.reshape(-1)[candidates]
+    return _top_pairs_by(lambda rows, cols: score[rows, cols], pair_count, k, min_support)
+
+
+def _top_pairs_by(
+    score_at: Callable[[Tensor, Tensor], Tensor], pair_count: Tensor, k: int, min_support: int
+) -> list[tuple[int, int, float]]:
+    """:func:`top_pairs` with the scores computed at the candidate cells only (``score_at(rows, cols)``): a score
+    such as the lift then never fills a ``V × V`` matrix."""
+    rows, cols = (pair_count >= min_support).nonzero().unbind(dim=1)  # ascending flat index
+    size = pair_count.shape[-1]
+    candidates = rows * size + cols
+    values = score_at(rows, cols)
     keep = torch.isfinite(values)
     values, candidates = _at_least_kth(values[keep], k, candidates[keep])
     order = torch.sort(values, descending=True, stable=True).indices[:k]
-    size = score.shape[-1]
     chosen = zip(candidates[order].tolist(), values[order].tolist(), strict=True)
     return [(i // size, i % size, v) for i, v in chosen]
 
@@ -216,10 +225,10 @@ def module_tables(
         ]
         header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
         tables["one_way_pairs"] = table(header, rows, f"{needs} in both directions.")
-    lifts = lift(sum_mean[tq, tk], stats.uniform_sum[tq, tk])
+    sums, uniform = sum_mean[tq, tk], stats.uniform_sum[tq, tk]
     rows = [
         (query_label(a), key_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / stats.query_count[a]))
-        for a, b, score in top_pairs(lifts, count, num_pairs, min_support)
+        for a, b, score in _top_pairs_by(lambda r, c: lift(sums[r, c], uniform[r, c]), count, num_pairs, min_support)
     ]
     header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
     tables["lift_pairs"] = table(header, rows, f"{needs}.")

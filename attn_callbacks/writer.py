@@ -21,6 +21,7 @@ from torch.utils.tensorboard.summary import custom_scalars
 
 from attn_callbacks.accumulate import AttentionStats
 from attn_callbacks.export import save_epoch
+from attn_callbacks.kernels import _numba_kernels, uses_numba
 from attn_callbacks.streams import Streams
 
 __all__ = [
@@ -162,11 +163,14 @@ def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:
             f"but got {image.dtype} {image.shape}"
         )
     height, width = image.shape[:2]
-    rgb = np.ascontiguousarray(image[..., :3]).reshape(height, width * 3)
     rows = np.empty((height, 1 + width * 3), dtype=np.uint8)  # one filter-type byte, then the filtered row
-    rows[:, 0] = 2  # Up; the first row's "above" is zeros, so it is stored as is
-    rows[:1, 1:] = rgb[:1]
-    np.subtract(rgb[1:], rgb[:-1], out=rows[1:, 1:])  # modulo 256, as PNG filters are
+    if uses_numba("cpu"):
+        _numba_kernels().up_filter(image, rows)
+    else:
+        rgb = np.ascontiguousarray(image[..., :3]).reshape(height, width * 3)
+        rows[:, 0] = 2  # Up; the first row's "above" is zeros, so it is stored as is
+        rows[:1, 1:] = rgb[:1]
+        np.subtract(rgb[1:], rgb[:-1], out=rows[1:, 1:])  # modulo 256, as PNG filters are
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))

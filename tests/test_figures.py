@@ -176,6 +176,14 @@ def test_png_bytes_decode_to_the_same_pixels_for_any_size_and_noise(shape):
     assert np.array_equal(np.asarray(decoded), image[..., :3])
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 4), (2, 5, 3), (37, 53, 4)])
+def test_png_bytes_numba_filter_writes_the_bytes_of_the_numpy_one(shape, monkeypatch):
+    image = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
+    fast = png_bytes(image)
+    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", "0")
+    assert png_bytes(image) == fast
+
+
 def test_png_bytes_of_a_heatmap_is_smaller_than_pillows_and_bad_images_are_refused():
     labels = [f"tok{i}" for i in range(30)]
     pixels = figure_to_array(figures.heatmap(np.random.default_rng(0).random((30, 30)), labels, labels, "T", "P"))

@@ -147,3 +147,42 @@ def test_one_way_pairs_keeps_a_nan_score_first_and_k_must_not_be_negative():
         F.one_way_pairs(p, counts, k=-1)
     with pytest.raises(ValueError, match="`k` to be a non-negative integer, but got -2"):
         F.top_pairs(p, counts, k=-2)
+
+
+def test_lift_pairs_table_ranks_the_lift_of_every_supported_pair_as_a_python_sort_does():
+    from attn_callbacks.accumulate import AttentionStats
+    from attn_callbacks.tables import module_tables
+
+    gen = torch.Generator().manual_seed(3)
+    heads, vocab = 2, 9
+    sums = torch.rand(heads, vocab, vocab, generator=gen).round(decimals=1)  # ties
+    uniform = torch.rand(vocab, vocab, generator=gen).round(decimals=1)  # zeros: lift 0 there
+    counts = torch.randint(0, 4, (vocab, vocab), generator=gen)
+    query_count = torch.randint(1, 5, (vocab,), generator=gen)
+    stats = AttentionStats(sums, counts, query_count, torch.tensor(0), uniform, torch.zeros(6, heads))
+    sum_mean = sums.mean(dim=0)
+    mass = sum_mean / query_count[:, None]
+    tables, _ = module_tables(
+        stats,
+        mass,
+        sum_mean,
+        square=True,
+        query_tokens=slice(0, vocab),
+        key_tokens=slice(0, vocab),
+        query_label=str,
+        key_label=str,
+        num_pairs=5,
+        min_support=2,
+    )
+    # every pair seen at least twice, by lift (S̄ / U, 0 where U = 0) descending, then by flat index
+    scored = [
+        (-(float(sum_mean[a, b] / uniform[a, b]) if uniform[a, b] > 0 else 0.0), a * vocab + b)
+        for a in range(vocab)
+        for b in range(vocab)
+        if counts[a, b] >= 2
+    ]
+    expected = [(flat // vocab, flat % vocab, -score) for score, flat in sorted(scored)[:5]]
+    got = [line.split(" | ") for line in tables["lift_pairs"].splitlines()[2:]]
+    assert [(int(row[0][2:]), int(row[1]), float(row[2])) for row in got] == [
+        (a, b, pytest.approx(score, abs=5e-4)) for a, b, score in expected
+    ]
