@@ -24,6 +24,7 @@ floor, cold <= 1.75 × none, epoch end <= 0.5 s. Also peak resident memory of th
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import resource
 import statistics
@@ -74,6 +75,13 @@ def summary(values: list[float], digits: int = 2) -> str:
     return f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f} / {max(values):.{digits}f}"
 
 
+def timed(model: Encoder | SdpaEncoder, batches: list[dict], callbacks: list) -> float:
+    """One validation epoch's seconds, after collecting the garbage of the runs before (a cold monitor's sums, held
+    by reference cycles, would otherwise stay in memory while the next configuration runs)."""
+    gc.collect()
+    return validate(model, batches, callbacks)[0]
+
+
 def run(model: Encoder | SdpaEncoder, batches: list[dict], rounds: int) -> dict[str, dict[str, list[float]]]:
     """Per configuration, the figures of every round."""
     configs = {"monitor": {}, "monitor per_head=False": {"per_head": False}}
@@ -83,12 +91,12 @@ def run(model: Encoder | SdpaEncoder, batches: list[dict], rounds: int) -> dict[
             validate(model, batches, [monitor])
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in ("floor", *configs)}
     for _ in range(rounds):
-        none, _ = validate(model, batches, [])
-        floor, _ = validate(model, batches, [WeightsReader()])
+        none = timed(model, batches, [])
+        floor = timed(model, batches, [WeightsReader()])
         figures["floor"].setdefault("floor / none", []).append(floor / none)
         for name, kw in configs.items():
-            cold, _ = validate(model, batches, [TimedMonitor(VOCAB, "input_ids", max_tracked_tokens=TRACKED, **kw)])
-            warm, _ = validate(model, batches, [steady[name]])
+            cold = timed(model, batches, [TimedMonitor(VOCAB, "input_ids", max_tracked_tokens=TRACKED, **kw)])
+            warm = timed(model, batches, [steady[name]])
             rows = figures[name]
             rows.setdefault("steady / floor", []).append(warm / floor)
             rows.setdefault("cold / none", []).append(cold / none)
