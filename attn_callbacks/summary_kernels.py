@@ -20,6 +20,7 @@ from torch import Tensor
 
 from attn_callbacks.blocks import safe_divide
 from attn_callbacks.drift import supported_rows
+from attn_callbacks.numba_kernels import _FASTMATH, _log
 
 __all__ = ["RowPass", "cross_and_norm", "cross_and_norm_sums", "module_rows", "row_pass"]
 
@@ -31,6 +32,7 @@ NUM_STATS = 9
 
 
 _TINY32 = float(np.finfo(np.float32).tiny)
+_TINY = float(np.finfo(np.float64).tiny)  # the least argument of _log: 0 log 0 = 0
 _LOG2 = math.log(2.0)
 
 
@@ -45,21 +47,22 @@ def _nonzero(flags, out):  # pragma: no cover - compiled
     return n
 
 
-@numba.njit(cache=True, nogil=True)
-def _row_stats(row, count, log_u, cells, n, plogp_out, c, a, acc, t):  # pragma: no cover - compiled
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _row_stats(row, count, log_u, cells, n, plogp_out, c, a, acc, t, x):  # pragma: no cover - compiled
     """Σ p log p of one row (stored) over its possibly non-zero ``cells[:n]``, as Σ x log x / mass - log mass
     (float64: no cancellation worth the name; 0 for a zero row, never above 0), and the row's share of the lift's
-    sums, with ``S[a, :] = Q[a] P[a, :]``. Returns the row's mass and Σ p log p."""
+    sums, with ``S[a, :] = Q[a] P[a, :]`` and ``log_u[i]`` the log of ``U`` at ``cells[i]``. Returns the row's mass
+    and Σ p log p. ``x``: scratch, the row's values at its cells (gathered, so that the loop with the logarithms
+    vectorises)."""
+    for i in range(n):
+        x[i] = max(np.float64(row[cells[i]]), 0.0)  # a negative value counts as 0, as nowhere
     mass = 0.0
     s_log_u = 0.0
     x_log_x = 0.0
     for i in range(n):
-        b = cells[i]
-        x = np.float64(row[b])
-        if x > 0.0:
-            mass += x
-            s_log_u += x * log_u[b]
-            x_log_x += x * math.log(x)
+        mass += x[i]
+        s_log_u += x[i] * log_u[i]
+        x_log_x += x[i] * _log(max(x[i], _TINY))  # 0 log 0 = 0
     plogp = min(x_log_x / mass - math.log(mass), 0.0) if mass > 0.0 else 0.0
     plogp_out[c, a] = plogp
     if mass > 0.0 and count > 0:
@@ -71,21 +74,25 @@ def _row_stats(row, count, log_u, cells, n, plogp_out, c, a, acc, t):  # pragma:
     return mass, plogp
 
 
-@numba.njit(cache=True, nogil=True)
-def _compare_row(row, mass, plogp, then, then_plogp, supported, weight, cells, n, k, c, acc, t):  # pragma: no cover
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _compare_row(  # pragma: no cover - compiled
+    row, mass, plogp, then, then_plogp, supported, weight, cells, n, k, c, acc, t, x, y
+):
     """One row against the same row of an earlier epoch, over ``cells[:n]`` (every cell where either may be
     non-zero): its JS (returned, NaN when not supported) and its share of both Frobenius norms. ``then_plogp`` NaN:
-    computed here (the mean of the heads, which snapshots do not keep)."""
+    computed here (the mean of the heads, which snapshots do not keep). ``x``, ``y``: scratch for both rows' values
+    at the cells."""
+    for i in range(n):
+        x[i] = row[cells[i]]
+        y[i] = then[cells[i]]
     then_mass = 0.0
     change = 0.0
     norm = 0.0
     for i in range(n):
-        b = cells[i]
-        y = np.float64(then[b])
-        d = np.float64(row[b]) - y
-        then_mass += y
+        d = x[i] - y[i]
+        then_mass += y[i]
         change += d * d
-        norm += y * y
+        norm += y[i] * y[i]
     acc[t, DRIFT + 3 * k + 1, c] += change
     acc[t, DRIFT + 3 * k + 2, c] += norm
     if not supported:
@@ -96,16 +103,13 @@ def _compare_row(row, mass, plogp, then, then_plogp, supported, weight, cells, n
         return 0.0  # the same row: exactly no drift
     inv_p, inv_q = 1.0 / mass, 1.0 / then_mass
     m_log_m = 0.0
-    then_x_log_x = 0.0
     for i in range(n):
-        b = cells[i]
-        y = np.float64(then[b])
-        m = 0.5 * (np.float64(row[b]) * inv_p + y * inv_q)
-        if m > 0.0:
-            m_log_m += m * math.log(m)
-        if then_plogp != then_plogp and y > 0.0:
-            then_x_log_x += y * math.log(y)
+        m = max(0.5 * (x[i] * inv_p + y[i] * inv_q), 0.0)  # m <= 0 adds nothing
+        m_log_m += m * _log(max(m, _TINY))
     if then_plogp != then_plogp:
+        then_x_log_x = 0.0
+        for i in range(n):
+            then_x_log_x += max(y[i], 0.0) * _log(max(y[i], _TINY))
         then_plogp = min(then_x_log_x / then_mass - math.log(then_mass), 0.0)  # as _row_stats computes it
     # ½ KL(p‖m) + ½ KL(q‖m) = ½ (Σ p log p + Σ q log q) - Σ m log m, m = (p + q) / 2.
     js = min(max(0.5 * (plogp + then_plogp) - m_log_m, 0.0), _LOG2)
@@ -155,9 +159,10 @@ def module_rows(
     """
     heads, vocab_q, vocab_k = mass.shape
     threads = acc.shape[0]
-    log_tiny = math.log(_TINY32)
     for t in numba.prange(threads):
-        log_u = np.zeros(vocab_k)
+        log_u = np.zeros(vocab_k)  # at the row's cells, in their order
+        x = np.empty(vocab_k)  # scratch: a row's values at its cells
+        y = np.empty(vocab_k)
         mean_row = np.zeros(vocab_k)
         support = np.empty(vocab_k, dtype=np.bool_)
         either = np.empty(vocab_k, dtype=np.bool_)
@@ -192,8 +197,7 @@ def module_rows(
                 n_compared[k] = _nonzero(either, compared[k])
             for i in range(n):
                 b = cells[i]
-                u = np.float64(uniform[a, b])
-                log_u[b] = math.log(u) if u >= _TINY32 else log_tiny  # as the torch lift clamps U
+                log_u[i] = _log(max(np.float64(uniform[a, b]), _TINY32))  # as the torch lift clamps U
                 mean_row[b] = 0.0
             for c in range(heads + 1):
                 if c < heads:
@@ -211,7 +215,7 @@ def module_rows(
                     row[:] = 0.0
                     for i in range(n):
                         row[cells[i]] = np.float32(mean_row[cells[i]] / heads)
-                row_mass, plogp = _row_stats(row, count, log_u, cells, n, plogp_out, c, a, acc, t)
+                row_mass, plogp = _row_stats(row, count, log_u, cells, n, plogp_out, c, a, acc, t, x)
                 for k in range(compare):
                     then_count = then_counts[k, a]
                     supported = count >= min_support and then_count >= min_support
@@ -236,6 +240,8 @@ def module_rows(
                         c,
                         acc,
                         t,
+                        x,
+                        y,
                     )
     if heads == 1:  # the mean channel's sums are the head's
         acc[:, :, 1] = acc[:, :, 0]
