@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["accumulate_attention_numba", "up_filter"]
+__all__ = ["accumulate_attention_numba", "masked_crc32c", "up_filter"]
 
 # Fast-math without "nnan"/"ninf", under which LLVM may drop the finiteness test of the pre-check. "reassoc" is what
 # lets the row reductions vectorise; "contract" makes FMAs.
@@ -195,6 +195,28 @@ def up_filter(image, rows):  # pragma: no cover - compiled
             for c in range(3):
                 above = image[y - 1, x, c] if y > 0 else 0
                 rows[y, 1 + 3 * x + c] = (image[y, x, c] - above) & 0xFF
+
+
+def _crc32c_table() -> np.ndarray:
+    """The byte table of CRC-32C (Castagnoli, reflected polynomial 0x82F63B78)."""
+    table = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ np.uint32(0x82F63B78), table >> 1).astype(np.uint32)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+@numba.njit(cache=True, nogil=True)
+def masked_crc32c(data):  # pragma: no cover - compiled
+    """The masked CRC-32C of a uint8 array, as TensorFlow's record format checksums a record (what TensorBoard's
+    pure-Python ``masked_crc32c`` computes, ~10 ms per 100 KB while holding the GIL)."""
+    crc = np.uint32(0xFFFFFFFF)
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc = crc ^ np.uint32(0xFFFFFFFF)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def accumulate_attention_numba(

@@ -3,6 +3,8 @@ and tables, handed to the writers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -17,7 +19,7 @@ from attn_callbacks.probe import Probe
 from attn_callbacks.streams import Streams
 from attn_callbacks.summary import ModuleSummary, attention_mass, summarize
 from attn_callbacks.tables import module_tables, top_tokens
-from attn_callbacks.writer import Painter, add_layout, log_heads, log_layer, tensorboard_writer
+from attn_callbacks.writer import Painter, add_layout, log_heads, log_layer, quick_checksums, tensorboard_writer
 
 __all__ = ["Reporter"]
 
@@ -97,33 +99,39 @@ class Reporter:
         heads: dict[tuple[str, str], Tensor] = {}  # every module's per-head scalars, logged in one call
         grids: dict[str, dict[str, dict[str, Tensor]]] = {}  # suffix -> metric -> module -> (H,) values
         logged: dict[str, list[str]] = {}  # metric -> the modules (tag names) logging it
+        # Every module's numbers first, then its pictures: the numba passes take both cores, and the image writer
+        # thread then encodes while the drawing (one core) goes on, instead of competing with those passes.
+        draws: list[Callable[[], None]] = []
         pl_module, step = trainer.lightning_module, trainer.global_step
-        finished = False
-        try:
-            for name, stats in merged.items():
-                # The combined view (a drift epoch's, kept by drift memory), then each dataloader's when several.
-                views = [(stats, drift, "", derived if drift else None)]
-                if loaders > 1:
-                    views += [(per_loader[(name, k)], False, f"/dataloader_idx_{k}", None) for k in range(loaders)]
-                for view, is_drift, suffix, keep in views:
-                    where = dict(prefix=prefix, step=step, drift=is_drift, suffix=suffix, derived=keep)
-                    summary = self.module(pl_module, writer, name, self.streams.of[name], view, **where)
-                    if summary is None:
-                        continue
-                    layer = name or "attention"
-                    for key in summary.layer:
-                        if layer not in logged.setdefault(key, []):
-                            logged[key].append(layer)
-                    if self.per_head:
-                        for key, values in summary.heads.items():
-                            heads[(head_tag(prefix, key, layer), suffix)] = values
-                            grids.setdefault(suffix, {}).setdefault(key, {})[name] = values
-            log_heads(trainer, heads)
-            if writer is not None:
-                self._dashboard(writer, grids, logged, prefix, step)
-            finished = True
-        finally:
-            self.painter.finish(raise_errors=finished)
+        with quick_checksums(writer):  # TensorBoard's own checksums would hold the GIL for ~0.15 s
+            finished = False
+            try:
+                for name, stats in merged.items():
+                    # The combined view (a drift epoch's, kept by drift memory), then each dataloader's when several.
+                    views = [(stats, drift, "", derived if drift else None)]
+                    if loaders > 1:
+                        views += [(per_loader[(name, k)], False, f"/dataloader_idx_{k}", None) for k in range(loaders)]
+                    for view, is_drift, suffix, keep in views:
+                        where = dict(prefix=prefix, step=step, drift=is_drift, suffix=suffix, derived=keep, draws=draws)
+                        summary = self.module(pl_module, writer, name, self.streams.of[name], view, **where)
+                        if summary is None:
+                            continue
+                        layer = name or "attention"
+                        for key in summary.layer:
+                            if layer not in logged.setdefault(key, []):
+                                logged[key].append(layer)
+                        if self.per_head:
+                            for key, values in summary.heads.items():
+                                heads[(head_tag(prefix, key, layer), suffix)] = values
+                                grids.setdefault(suffix, {}).setdefault(key, {})[name] = values
+                for draw in draws:
+                    draw()
+                log_heads(trainer, heads)
+                if writer is not None:
+                    self._dashboard(writer, grids, logged, prefix, step)
+                finished = True
+            finally:
+                self.painter.finish(raise_errors=finished)
         return derived
 
     def _dashboard(
@@ -176,11 +184,13 @@ class Reporter:
         step: int,
         drift: bool,
         suffix: str = "",
+        draws: list[Callable[[], None]],
         derived: dict[str, dict[str, Tensor]] | None = None,
     ) -> ModuleSummary | None:
         """Log one module's scalars, images and tables; return its numbers (None when it saw no query token), whose
         per-head ones the caller logs. With ``derived``, what drift memory keeps of this epoch's numbers
-        (``row_plogp``, ``mean_mass`` on the CPU) goes there."""
+        (``row_plogp``, ``mean_mass`` on the CPU) goes there. The images and tables are not made here: a call that
+        makes them is appended to ``draws``, for the caller to run."""
         if int(stats.query_count.sum()) == 0:
             return None  # nothing seen by this module (or this dataloader): no numbers to log
         layer = name or "attention"
@@ -208,9 +218,8 @@ class Reporter:
         log_layer(pl_module, {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()})
         self._warn(name, summary.heads.get("position/entropy_normalized"), stats)
         if writer is not None:
-            self._draw(
-                writer, name, layer, streams, stats, mass, sum_mean, reference, summary.drifts, step, prefix, suffix
-            )
+            maps = (writer, name, layer, streams, stats, mass, sum_mean, reference, summary.drifts)
+            draws.append(partial(self._draw, *maps, step, prefix, suffix))
         return summary
 
     def _warn(self, name: str, entropy_normalized: Tensor | None, stats: AttentionStats) -> None:
