@@ -418,3 +418,20 @@ def test_accumulator_and_epoch_sums_compute_the_pair_index_only_for_the_torch_pa
             assert torch.equal(getattr(numba_stats, field), getattr(torch_stats, field)), field
         for field in ("attention_sum", "uniform_sum", "position_sums"):
             torch.testing.assert_close(getattr(numba_stats, field), getattr(torch_stats, field), rtol=1e-6, atol=1e-6)
+
+
+def test_ids_are_dealt_to_threads_by_their_rows_most_first():
+    import numpy as np
+
+    from attn_callbacks.numba_kernels import _deal_ids
+
+    # rows per id: 0 -> 5, 1 -> 1, 2 -> 4, 3 -> 0 (only in a padded sample), 4 -> 2
+    ids = np.array([[0, 0, 0, 2, 2, 1], [0, 0, 2, 2, 4, 4], [3, 0, 0, 0, 0, 0]])
+    valid = np.ones_like(ids, dtype=bool)
+    valid[2] = False  # a padded sample: its ids count for nothing
+    owner = _deal_ids(ids, valid, 6, 2)
+    # 0 (5 rows) -> thread 0; 2 (4) -> thread 1; 4 (2) -> thread 1 (4 < 5); 1 (1) -> thread 0 (5 < 6)
+    assert owner[[0, 2, 4, 1]].tolist() == [0, 1, 1, 0]
+    loads = [sum(int(((ids == a) & valid).sum()) for a in range(6) if owner[a] == t) for t in range(2)]
+    assert loads == [6, 6]
+    assert _deal_ids(ids, valid, 6, 1).tolist() == [0] * 6
