@@ -284,7 +284,8 @@ class Reporter:
                     suffix=suffix,
                 )
             )
-        texts: dict[str, str] = {}
+        for tag, image in images.items():  # encoded by the writer thread while the tables are computed
+            self.painter.image(writer, tag + suffix, image, step)
         if self.num_pairs:
             key = (name, prefix, suffix)
             tables, self._ranks[key] = module_tables(
@@ -303,11 +304,8 @@ class Reporter:
                 epochs=(self.drift.reference_epoch, self.drift.previous_epoch),
                 rank_start=self._ranks.get(key),
             )
-            texts = {f"{prefix}_{kind}/{layer}": table for kind, table in tables.items()}
-        for tag, image in images.items():
-            self.painter.image(writer, tag + suffix, image, step)
-        for tag, text in texts.items():
-            self.painter.text(writer, tag + suffix, text, step)
+            for kind, table in tables.items():
+                self.painter.text(writer, f"{prefix}_{kind}/{layer}{suffix}", table, step)
 
     def _probe_maps(self, name: str, layer: str, streams: tuple[str, str], prefix: str) -> dict[str, Any]:
         weights, ids = self.probe.weights.get(name), self.probe.ids
