@@ -13,7 +13,8 @@ Configurations, interleaved round by round so that machine noise hits them alike
   SDPA call's weights must be computed again;
 - monitor (per head, the default) and monitor ``per_head=False``: steady, a monitor past its first three epochs
   (tracked ids chosen, figures drawn, drift memory full), epoch end included; cold, a fresh monitor's first epoch,
-  set-up, the tracked-id pass and kernel loading included.
+  set-up, the tracked-id pass and the sums' allocation included (loading the compiled kernels and making the glyph
+  outlines of the labels are once per process: the steady monitors' warm-up pays them first).
 
 Printed per workload and configuration (min / median / max over the rounds, each ratio from the same round):
 floor / none, steady / floor, cold / none, and the steady epoch end in seconds (the monitor's once-per-epoch work:
