@@ -83,9 +83,8 @@ def _draw(
     if cols is not None:
         at = np.arange(len(cols)) + 0.5  # cell j spans [j, j + 1]
         under = transforms.blended_transform_factory(ax.transData, ax.transAxes)
-        labels = _labels(
-            ax, cols, np.column_stack([at, np.zeros_like(at)]), under, size, "center", "top", col_rotation, (0, -away)
-        )
+        offsets = np.column_stack([at, np.zeros_like(at)])
+        labels = _labels(ax, cols, offsets, under, size, ("center", "top"), col_rotation, (0, -away), _COL_GID)
         _marks(ax, at, np.zeros_like(at), under, TICKDOWN)
         ax.set_xlabel(axis_names[1], fontsize=8)
         below = away + _reach(labels, 1) + _LABEL_PAD
@@ -93,9 +92,8 @@ def _draw(
     if rows is not None:
         at = np.arange(len(rows)) + 0.5
         left = transforms.blended_transform_factory(ax.transAxes, ax.transData)
-        labels = _labels(
-            ax, rows, np.column_stack([np.zeros_like(at), at]), left, size, "right", "center", 0, (-away, 0)
-        )
+        offsets = np.column_stack([np.zeros_like(at), at])
+        labels = _labels(ax, rows, offsets, left, size, ("right", "center"), 0, (-away, 0), _ROW_GID)
         _marks(ax, np.zeros_like(at), at, left, TICKLEFT)
         ax.set_ylabel(axis_names[0], fontsize=8)
         beside = away + _reach(labels, 0) + _LABEL_PAD
@@ -103,10 +101,12 @@ def _draw(
     return mesh
 
 
-def _labels(ax, texts, offsets, where, size, ha, va, rotation, shift) -> Words:
-    """Tick labels of ``ax`` as outlines, ``shift`` points from their anchors (outside the axes: not clipped)."""
+def _labels(ax, texts, offsets, where, size, align, rotation, shift, gid) -> Words:
+    """Tick labels of ``ax`` as outlines aligned ``(ha, va)`` at ``offsets``, ``shift`` points from them (outside the
+    axes: not clipped)."""
+    ha, va = align
     words = Words(texts, offsets, where, size=size, ha=ha, va=va, rotation=rotation, shift=shift, dpi=ax.figure.dpi)
-    words.set(clip_on=False, gid=_ROW_GID if ha == "right" else _COL_GID)
+    words.set(clip_on=False, gid=gid)
     ax.add_collection(words, autolim=False)
     return words
 

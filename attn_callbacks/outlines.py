@@ -9,6 +9,7 @@ in one call, at the pixels of the figure's own transforms.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -21,8 +22,7 @@ from matplotlib.textpath import text_to_path
 __all__ = ["Words", "outline"]
 
 _FONT = FontProperties()  # the default font, as Text uses; a prop given: no font lookup per outline
-_OUTLINES: dict[tuple, Path] = {}  # by (text, size, ha, va, rotation)
-_MAX_OUTLINES = 8192  # a bound on memory (~2 KB an outline): token labels and numbers repeat between epochs
+_MAX_OUTLINES = 8192  # the most recently used kept (~2 KB an outline): token labels and numbers repeat
 _LINE: dict[float, tuple[float, float]] = {}  # font size -> (height above the baseline, descent) of a line
 
 
@@ -34,15 +34,12 @@ def _line(size: float) -> tuple[float, float]:
     return _LINE[size]
 
 
+@lru_cache(maxsize=_MAX_OUTLINES)
 def outline(text: str, size: float, ha: str = "center", va: str = "center", rotation: float = 0.0) -> Path:
     """``text`` at ``size`` points as a path in points, rotated by ``rotation`` degrees and placed so that its
     ``(ha, va)`` anchor is at ``(0, 0)``: as matplotlib aligns a ``Text`` (the rotated box of the line, from the
     start of the text to its last glyph and from the font's descent to its ascent). ``va="ink"`` centres the
     glyphs' own box instead (a number in a cell). Cached."""
-    key = (text, size, ha, va, rotation)
-    path = _OUTLINES.get(key)
-    if path is not None:
-        return path
     # As TextPath lays it out, which fails on a text without any outline (a space, say): those are empty paths.
     vertices, codes = text_to_path.get_text_path(_FONT, text) if text else ([], [])
     if not len(vertices):
@@ -61,8 +58,6 @@ def outline(text: str, size: float, ha: str = "center", va: str = "center", rota
         y = {"bottom": y0, "center": (y0 + y1) / 2, "ink": (y0 + y1) / 2, "top": y1, "baseline": 0.0}[va]
         path = glyphs.transformed(turn.translate(-x, -y))
         path.should_simplify = False  # as TextPath: small glyphs keep every control point
-    if len(_OUTLINES) < _MAX_OUTLINES:
-        _OUTLINES[key] = path
     return path
 
 
