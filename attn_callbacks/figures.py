@@ -27,6 +27,7 @@ _AXIS_LABEL = 0.3  # inches for "query token (attending)" / "key token (attended
 _COLORBAR = 1.2  # inches right of the panels for the colour bar, its tick labels and its label
 _BAR_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the colour bar is marked, as fractions of its height
 _BAR_FONT = 8
+_BAR_PAD = 6  # points from the colour bar to its numbers, past its tick marks
 _TICK = 3.5  # points: a tick mark's length, and the gap between it and its label (matplotlib's defaults)
 _TICK_PAD = 3.5
 _LABEL_PAD = 4  # points between the tick labels and the axis name
@@ -157,7 +158,7 @@ def _colorbar(
     _marks(ax, np.ones_like(fractions), fractions, ax.transAxes, TICKRIGHT)
     numbers = _bar_labels(limit, diverging)
     offsets = np.column_stack([np.ones_like(fractions), fractions])
-    bar_numbers = Words(numbers, offsets, ax.transAxes, size=_BAR_FONT, ha="left", shift=(6, 0), dpi=figure.dpi)
+    bar_numbers = Words(numbers, offsets, ax.transAxes, size=_BAR_FONT, ha="left", shift=(_BAR_PAD, 0), dpi=figure.dpi)
     label_words = Words(
         [label], [(1.0, 0.5)], _beside(ax, numbers), size=_BAR_FONT, ha="left", rotation=90, dpi=figure.dpi
     )
@@ -170,7 +171,7 @@ def _beside(bar, numbers: Sequence[str]) -> transforms.Transform:
     """The colour bar label's place: right of the widest of its numbers (the figure leaves room for the widest
     number .3g writes, "-1.23e+100")."""
     widest = max(float(np.ptp(outline(number, _BAR_FONT, "left").vertices[:, 0])) for number in numbers)
-    return transforms.offset_copy(bar.transAxes, bar.figure, x=6 + widest + 4, units="points")
+    return transforms.offset_copy(bar.transAxes, bar.figure, x=_BAR_PAD + widest + 4, units="points")
 
 
 def _title(ax, text: str) -> None:

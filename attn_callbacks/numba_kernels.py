@@ -63,6 +63,13 @@ def _log(x):
     return exponent * _LN2 + 2.0 * f * poly
 
 
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _xlogx(x):
+    """``x log x``, 0 at 0 (and for a negative ``x``, ``x`` times the log of the smallest normal): branch-free, so
+    that a loop over it vectorises."""
+    return x * _log(max(x, _TINY))
+
+
 @numba.njit(cache=True, nogil=True)
 def _first_bad_id(ids, valid, size):
     """Flat index of the first valid position whose id is outside ``[0, size)``, or -1."""
@@ -147,7 +154,7 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
                         row[h, j] = x if kv[j] else 0
                         stored = np.float64(row[h, j])
                         total += stored
-                        plogp += stored * _log(max(stored, _TINY))
+                        plogp += _xlogx(stored)
                         far += stored * abs(i - j)
                         mean[j] += stored
                     mass[h] = total

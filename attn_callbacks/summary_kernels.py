@@ -20,7 +20,7 @@ from torch import Tensor
 
 from attn_callbacks.blocks import safe_divide
 from attn_callbacks.drift import supported_rows
-from attn_callbacks.numba_kernels import _FASTMATH, _log
+from attn_callbacks.numba_kernels import _FASTMATH, _log, _xlogx
 
 __all__ = ["RowPass", "cross_and_norm", "cross_and_norm_sums", "module_rows", "row_pass"]
 
@@ -32,7 +32,6 @@ NUM_STATS = 9
 
 
 _TINY32 = float(np.finfo(np.float32).tiny)
-_TINY = float(np.finfo(np.float64).tiny)  # the least argument of _log: 0 log 0 = 0
 _LOG2 = math.log(2.0)
 
 
@@ -62,7 +61,7 @@ def _row_stats(row, count, log_u, cells, n, plogp_out, c, a, acc, t, x):  # prag
     for i in range(n):
         mass += x[i]
         s_log_u += x[i] * log_u[i]
-        x_log_x += x[i] * _log(max(x[i], _TINY))  # 0 log 0 = 0
+        x_log_x += _xlogx(x[i])
     plogp = min(x_log_x / mass - math.log(mass), 0.0) if mass > 0.0 else 0.0
     plogp_out[c, a] = plogp
     if mass > 0.0 and count > 0:
@@ -105,11 +104,11 @@ def _compare_row(  # pragma: no cover - compiled
     m_log_m = 0.0
     for i in range(n):
         m = max(0.5 * (x[i] * inv_p + y[i] * inv_q), 0.0)  # m <= 0 adds nothing
-        m_log_m += m * _log(max(m, _TINY))
+        m_log_m += _xlogx(m)
     if then_plogp != then_plogp:
         then_x_log_x = 0.0
         for i in range(n):
-            then_x_log_x += max(y[i], 0.0) * _log(max(y[i], _TINY))
+            then_x_log_x += _xlogx(max(y[i], 0.0))
         then_plogp = min(then_x_log_x / then_mass - math.log(then_mass), 0.0)  # as _row_stats computes it
     # ½ KL(p‖m) + ½ KL(q‖m) = ½ (Σ p log p + Σ q log q) - Σ m log m, m = (p + q) / 2.
     js = min(max(0.5 * (plogp + then_plogp) - m_log_m, 0.0), _LOG2)
