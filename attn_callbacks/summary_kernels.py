@@ -47,6 +47,17 @@ def _nonzero(flags, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _or_positive(row, flags):  # pragma: no cover - compiled
+    """``flags |= row > 0``; returns the row's float32 sum, which is NaN or inf where the row holds one (float32 and
+    fast-math reassociation: the loop vectorises, and these dense reads of every plane are most of the pass)."""
+    total = np.float32(0.0)
+    for b in range(row.shape[0]):
+        flags[b] |= row[b] > 0
+        total += row[b]
+    return total
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _row_stats(row, count, log_u, cells, n, plogp_out, c, a, acc, t, x):  # pragma: no cover - compiled
     """Σ p log p of one row (stored) over its possibly non-zero ``cells[:n]``, as Σ x log x / mass - log mass
     (float64: no cancellation worth the name; 0 for a zero row, never above 0), and the row's share of the lift's
@@ -174,12 +185,9 @@ def module_rows(
             # later loop of this row reads these cells only: a short epoch's rows are mostly zeros.
             for b in range(vocab_k):
                 support[b] = uniform[a, b] > 0
-            total = 0.0
+            total = np.float32(0.0)
             for c in range(heads):
-                row = mass[c, a]
-                for b in range(vocab_k):
-                    support[b] |= row[b] > 0
-                    total += row[b]
+                total += _or_positive(mass[c, a], support)
             if not math.isfinite(total):  # NaN or inf in P: the caller takes the torch functions, which show them
                 finite[t] = False
             n = _nonzero(support, cells)
@@ -187,12 +195,9 @@ def module_rows(
                 either[:] = support
                 then_mass = then_mass0 if k == 0 else then_mass1
                 then_mean = then_mean0 if k == 0 else then_mean1
-                for b in range(vocab_k):
-                    either[b] |= then_mean[a, b] > 0
+                _or_positive(then_mean[a], either)
                 for c in range(heads):
-                    row = then_mass[c, a]
-                    for b in range(vocab_k):
-                        either[b] |= row[b] > 0
+                    _or_positive(then_mass[c, a], either)
                 n_compared[k] = _nonzero(either, compared[k])
             for i in range(n):
                 b = cells[i]

@@ -137,10 +137,12 @@ def test_row_pass_refuses_an_earlier_epoch_of_another_shape():
         summary_kernels.row_pass(mass_heads, counts, uniform[:, :30], [], 1)
 
 
-def test_summarize_numba_pass_leaves_a_non_finite_p_to_the_torch_functions(monkeypatch):
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_summarize_numba_pass_leaves_a_non_finite_p_to_the_torch_functions(monkeypatch, value):
     attention_sum, counts, uniform = sums(3, 30, 30)
     mass_heads = mass_of(attention_sum, counts)
-    mass_heads[1, 4, 7] = float("nan")
+    mass_heads[1, 4, 7] = value
+    assert summary_kernels.row_pass(mass_heads, counts, uniform, [], 1) is None
     fast, slow = summary_both_ways(monkeypatch, mass_heads, attention_sum, uniform, counts, True, None, None, 1)
     assert slow.heads["entropy"][1].isnan() and slow.layer["asymmetry"].isnan()
     for name in slow.heads:
