@@ -49,10 +49,29 @@ def _top_pairs_by(
     candidates = rows * size + cols
     values = score_at(rows, cols)
     keep = torch.isfinite(values)
-    values, candidates = _at_least_kth(values[keep], k, candidates[keep])
+    return _top_of(candidates[keep], values[keep], size, k)
+
+
+def _top_of(candidates: Tensor, values: Tensor, size: int, k: int) -> list[tuple[int, int, float]]:
+    """The ``k`` largest ``values`` as ``(a, b, value)`` of their flat ``candidates`` (ascending) in ``size``
+    columns; ties: the smaller flat index first."""
+    values, candidates = _at_least_kth(values, k, candidates)
     order = torch.sort(values, descending=True, stable=True).indices[:k]
     chosen = zip(candidates[order].tolist(), values[order].tolist(), strict=True)
     return [(i // size, i % size, v) for i, v in chosen]
+
+
+def _table_kernels(matrix: Tensor, pair_count: Tensor) -> Any:
+    """:mod:`attn_callbacks.table_kernels` where it serves these CPU matrices (numba running), else None."""
+    from attn_callbacks.kernels import uses_numba
+
+    if matrix.dtype not in (torch.float32, torch.float64) or pair_count.dtype != torch.int64:
+        return None
+    if not uses_numba(matrix.device):
+        return None
+    from attn_callbacks import table_kernels  # imports numba: only once it is known to work
+
+    return table_kernels
 
 
 def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int = 1) -> list[tuple[int, int, float]]:
@@ -72,12 +91,16 @@ def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int =
         Up to ``k`` tuples ``(a, b, A[a, b])`` with ``A > 0``, most one-way first.
     """
     size = matrix.shape[-1]
-    seen = pair_count >= min_support
-    support = seen & seen.T  # a transposed read of bools, not of the int64 counts: several times faster on CPU
     # A > 0 iff P[a, b] > P[b, a]: only those cells are candidates, usually a small share of V².
     # (a, b) in row-major order, i.e. by ascending flat index; read in place (``matrix`` is often a slice of a larger
     # matrix, which a flat view would first copy whole).
-    rows, cols = (support & (matrix > matrix.T)).nonzero().unbind(dim=1)
+    fast = _table_kernels(matrix, pair_count)
+    if fast is not None:  # the same cells, in one read of each matrix
+        rows, cols = fast.one_way_candidates(matrix, pair_count, min_support)
+    else:
+        seen = pair_count >= min_support
+        support = seen & seen.T  # a transposed read of bools, not of the int64 counts: several times faster on CPU
+        rows, cols = (support & (matrix > matrix.T)).nonzero().unbind(dim=1)
     candidates = rows * size + cols
     forward, backward = matrix[rows, cols], matrix[cols, rows]
     gap = forward - backward
@@ -226,9 +249,14 @@ def module_tables(
         header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
         tables["one_way_pairs"] = table(header, rows, f"{needs} in both directions.")
     sums, uniform = sum_mean[tq, tk], stats.uniform_sum[tq, tk]
+    fast = _table_kernels(sums, count)
+    if fast is not None:
+        top = _top_of(*fast.lift_candidates(sums, uniform, count, min_support), sums.shape[-1], num_pairs)
+    else:
+        top = _top_pairs_by(lambda r, c: lift(sums[r, c], uniform[r, c]), count, num_pairs, min_support)
     rows = [
         (query_label(a), key_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / stats.query_count[a]))
-        for a, b, score in _top_pairs_by(lambda r, c: lift(sums[r, c], uniform[r, c]), count, num_pairs, min_support)
+        for a, b, score in top
     ]
     header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
     tables["lift_pairs"] = table(header, rows, f"{needs}.")

@@ -107,8 +107,10 @@ def test_top_pairs_rectangular_matrix():
     ]
 
 
+@pytest.mark.parametrize("numba", ["1", "0"])
 @pytest.mark.parametrize("seed", range(4))
-def test_top_pairs_and_one_way_pairs_equal_a_python_sort_of_every_pair_with_many_ties(seed):
+def test_top_pairs_and_one_way_pairs_equal_a_python_sort_of_every_pair_with_many_ties(seed, numba, monkeypatch):
+    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)  # the torch code and, where numba runs, its kernels
     g = torch.Generator().manual_seed(seed)
     size = 40
     # Values on a coarse grid: many exact ties in the score, and in the gap that breaks them.
@@ -136,7 +138,9 @@ def test_top_pairs_and_one_way_pairs_equal_a_python_sort_of_every_pair_with_many
         assert all(math.isclose(x[2], y[2], rel_tol=1e-12) for x, y in zip(got, expected, strict=True))
 
 
-def test_one_way_pairs_keeps_a_nan_score_first_and_k_must_not_be_negative():
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_one_way_pairs_keeps_a_nan_score_first_and_k_must_not_be_negative(numba, monkeypatch):
+    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
     inf = float("inf")
     p = torch.tensor([[0.0, inf, 0.5], [1.0, 0.0, 0.2], [0.1, 0.1, 0.0]])  # (0, 1): inf / inf = NaN
     counts = torch.ones(3, 3, dtype=torch.long)
@@ -149,7 +153,9 @@ def test_one_way_pairs_keeps_a_nan_score_first_and_k_must_not_be_negative():
         F.top_pairs(p, counts, k=-2)
 
 
-def test_lift_pairs_table_ranks_the_lift_of_every_supported_pair_as_a_python_sort_does():
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_lift_pairs_table_ranks_the_lift_of_every_supported_pair_as_a_python_sort_does(numba, monkeypatch):
+    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
     from attn_callbacks.accumulate import AttentionStats
     from attn_callbacks.tables import module_tables
 

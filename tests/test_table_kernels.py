@@ -1,0 +1,63 @@
+"""The numba passes behind the tables find exactly the cells torch's masks find, in the same (row-major) order."""
+
+import pytest
+import torch
+
+from attn_callbacks import table_kernels
+from attn_callbacks.blocks import safe_divide
+
+pytest.importorskip("numba")
+
+
+def _sums(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """Views of the leading block of larger matrices (as the tables slice off ``<other>``): a coarse grid of values
+    with ties and zeros, pair counts with zeros, a NaN and an inf."""
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randint(0, 5, (rows + 1, cols + 1), generator=g).to(dtype) / 4)[:rows, :cols]
+    other = (torch.randint(0, 4, (rows + 1, cols + 1), generator=g).to(dtype) / 2)[:rows, :cols]
+    counts = torch.randint(0, 5, (rows + 1, cols + 1), generator=g)[:rows, :cols]
+    values[1, 2], values[2, 1], values[3, 0] = float("nan"), float("inf"), float("inf")
+    return values, other, counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size, min_support", [(1, 1), (16, 2), (70, 1), (70, 3)])
+def test_one_way_candidates_are_the_cells_of_torchs_masks_in_row_major_order(size, min_support, dtype):
+    for seed in range(3):
+        matrix, _, counts = _sums(max(size, 4), max(size, 4), seed, dtype)
+        matrix, counts = matrix[:size, :size], counts[:size, :size]
+        seen = counts >= min_support
+        expected = (seen & seen.T & (matrix > matrix.T)).nonzero().unbind(dim=1)
+        rows, cols = table_kernels.one_way_candidates(matrix, counts, min_support)
+        assert rows.tolist() == expected[0].tolist() and cols.tolist() == expected[1].tolist()
+    assert size == 1 or len(expected[0]) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows, cols, min_support", [(1, 1, 1), (33, 20, 2), (20, 70, 1), (70, 70, 4)])
+def test_lift_candidates_are_the_supported_cells_with_a_finite_lift_and_equal_lifts(rows, cols, min_support, dtype):
+    for seed in range(3):
+        sums, uniform, counts = _sums(max(rows, 4), max(cols, 4), seed, dtype)
+        sums, uniform, counts = sums[:rows, :cols], uniform[:rows, :cols], counts[:rows, :cols]
+        r, c = (counts >= min_support).nonzero().unbind(dim=1)
+        values = safe_divide(sums[r, c], uniform[r, c])  # the lift: 0 where U = 0
+        keep = torch.isfinite(values)
+        flat, lifts = table_kernels.lift_candidates(sums, uniform, counts, min_support)
+        assert flat.tolist() == (r * cols + c)[keep].tolist()
+        assert lifts.dtype == dtype and torch.equal(lifts, values[keep])
+    assert rows * cols == 1 or ((uniform == 0).any() and len(flat) > 0)
+
+
+def test_candidates_refuse_matrices_of_other_shapes():
+    matrix, uniform, counts = _sums(6, 6, 0)
+    with pytest.raises(ValueError, match=r"square matrices of one shape, got \(6, 5\) and \(6, 5\)"):
+        table_kernels.one_way_candidates(matrix[:, :5], counts[:, :5], 1)
+    with pytest.raises(ValueError, match=r"three \(Vq, Vk\) matrices, got \(6, 6\), \(6, 5\) and \(6, 6\)"):
+        table_kernels.lift_candidates(matrix, uniform[:, :5], counts, 1)
+
+
+def test_candidates_of_matrices_with_none_are_empty():
+    matrix, uniform, counts = _sums(5, 5, 0)
+    rows, cols = table_kernels.one_way_candidates(matrix, torch.zeros_like(counts), 1)
+    flat, lifts = table_kernels.lift_candidates(matrix, uniform, counts, 100)
+    assert rows.numel() == cols.numel() == flat.numel() == lifts.numel() == 0
