@@ -1,9 +1,12 @@
-"""Numba passes for the epoch-end tables on the CPU: the candidate pairs of ``one_way_pairs`` and ``lift_pairs``.
+"""Numba passes for the epoch-end tables on the CPU: the candidate pairs of ``one_way_pairs`` and ``lift_pairs``, and
+PageRank's vector-matrix product.
 
 torch finds them with boolean masks over every cell, transposed reads and ``nonzero`` (~25 ms a table at 2,048
 tokens); these read each matrix once (the one-way pass by tiles, whose transposed tile is copied into L1 first) and
 give the candidates in row-major order (ascending flat index), as ``nonzero`` does. The lift pass runs twice over
-blocks of rows: the first counts each block's candidates, the second writes them where the counts say.
+blocks of rows: the first counts each block's candidates, the second writes them where the counts say. PageRank's
+product reads the float32 matrix and sums in float64, where torch needs a float64 copy of it (a V × V allocation
+every epoch).
 :mod:`attn_callbacks.tables`' torch code is the reference they are tested against, and the GPU path.
 """
 
@@ -14,7 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["lift_candidates", "one_way_candidates"]
+from attn_callbacks.numba_kernels import _FASTMATH
+
+__all__ = ["lift_candidates", "one_way_candidates", "row_sums", "vector_matrix"]
 
 _BLOCK = 16  # rows per block of the lift pass
 _TILE = 64  # the one-way pass's tiles: a tile's transposed counts and values stay in L1
@@ -108,3 +113,51 @@ def lift_candidates(sums: Tensor, uniform: Tensor, pair_count: Tensor, min_suppo
     if out.size:
         _lift(s, u, c, min_support, starts, out, values)
     return torch.from_numpy(out), torch.from_numpy(values)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
+def _vector_matrix(vector, matrix, partial):  # pragma: no cover - compiled
+    """``partial[t] += Σ_a vector[a] · matrix[a, :]`` over thread ``t``'s block of rows (float64 sums; a row whose
+    coefficient is 0 is skipped)."""
+    rows = matrix.shape[0]
+    threads = partial.shape[0]
+    for t in numba.prange(threads):
+        acc = partial[t]
+        for a in range(t * rows // threads, (t + 1) * rows // threads):
+            coefficient = vector[a]
+            if coefficient != 0.0:
+                row = matrix[a]
+                for b in range(row.shape[0]):
+                    acc[b] += coefficient * row[b]
+
+
+def vector_matrix(vector: Tensor, matrix: Tensor) -> Tensor:
+    """``vector @ matrix`` for a float64 CPU ``vector (V,)`` and a float32 or float64 ``matrix (V, W)`` without
+    non-finite values: ``(W,)`` float64, each thread's block of rows summed apart and the blocks added in a fixed
+    order (the same result whatever the scheduling)."""
+    if vector.dim() != 1 or matrix.dim() != 2 or vector.shape[0] != matrix.shape[0]:
+        raise ValueError(
+            f"Expected a (V,) vector and a (V, W) matrix, got {tuple(vector.shape)} and {tuple(matrix.shape)}"
+        )
+    threads = max(1, min(numba.get_num_threads(), torch.get_num_threads()))
+    partial = np.zeros((threads, matrix.shape[1]))
+    _vector_matrix(vector.detach().to(torch.float64).numpy(), matrix.detach().numpy(), partial)
+    return torch.from_numpy(partial.sum(axis=0))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
+def _row_sums(matrix, out):  # pragma: no cover - compiled
+    for a in numba.prange(matrix.shape[0]):
+        row = matrix[a]
+        total = 0.0
+        for b in range(row.shape[0]):
+            total += row[b]
+        out[a] = total
+
+
+def row_sums(matrix: Tensor) -> Tensor:
+    """Every row's sum of a float32 or float64 CPU ``(V, W)`` matrix, summed in float64: ``(V,)`` (torch's
+    ``sum(dim=1, dtype=torch.float64)`` of a float32 matrix converts every cell first, ~100x slower)."""
+    out = np.empty(matrix.shape[0])
+    _row_sums(matrix.detach().numpy(), out)
+    return torch.from_numpy(out)

@@ -61,11 +61,13 @@ def _top_of(candidates: Tensor, values: Tensor, size: int, k: int) -> list[tuple
     return [(i // size, i % size, v) for i, v in chosen]
 
 
-def _table_kernels(matrix: Tensor, pair_count: Tensor) -> Any:
+def _table_kernels(matrix: Tensor, pair_count: Tensor | None = None) -> Any:
     """:mod:`attn_callbacks.table_kernels` where it serves these CPU matrices (numba running), else None."""
     from attn_callbacks.kernels import uses_numba
 
-    if matrix.dtype not in (torch.float32, torch.float64) or pair_count.dtype != torch.int64:
+    if matrix.dtype not in (torch.float32, torch.float64) or (
+        pair_count is not None and pair_count.dtype != torch.int64
+    ):
         return None
     if not uses_numba(matrix.device):
         return None
@@ -162,13 +164,24 @@ def pagerank(
         raise ValueError(f"Expected argument `damping` to be in [0, 1), but got {damping!r}")
     if start is not None and (start.shape != (size,) or not bool(torch.isfinite(start).all()) or start.sum() <= 0):
         raise ValueError(f"Expected argument `start` to be {size} finite weights with a positive sum, got {start!r}")
-    weights = matrix.double()
-    out = weights.sum(dim=1)
     # π T = (π / out) @ P over the rows with outgoing attention, plus the mass of the others spread uniformly: the
-    # (float64) matrix is read as it is, not normalised into a second V × V copy.
+    # matrix is read as it is, not normalised into a second V × V copy.
+    fast = _table_kernels(matrix) if matrix.dtype == torch.float32 else None
+    out = fast.row_sums(matrix) if fast is not None else matrix.double().sum(dim=1)
     inverse_out = torch.where(out > 0, 1 / torch.where(out > 0, out, 1), 0)
-    if not bool(torch.isfinite(inverse_out).all()):  # a subnormal row sum: normalise by division instead
-        weights, inverse_out = safe_divide(weights, out[:, None]), (out > 0).double()
+    if fast is not None and bool(torch.isfinite(inverse_out).all()):  # no NaN or inf in the matrix either
+        weights = matrix  # read as float32 and summed in float64: no float64 copy
+
+        def step(vector: Tensor) -> Tensor:
+            return fast.vector_matrix(vector, weights)
+    else:
+        weights = matrix.double()
+        if not bool(torch.isfinite(inverse_out).all()):  # a subnormal row sum: normalise by division instead
+            weights, inverse_out = safe_divide(weights, out[:, None]), (out > 0).double()
+
+        def step(vector: Tensor) -> Tensor:
+            return vector @ weights
+
     dangling = (out == 0).double()  # (V,): a product, not a boolean index (a device sync per iteration on GPU)
     rank = torch.full((size,), 1.0 / size, dtype=torch.float64, device=matrix.device)
     if start is not None:
@@ -176,7 +189,7 @@ def pagerank(
         rank = rank / rank.sum()
     for _ in range(max_iter):
         spread = (rank @ dangling) / size
-        new = (1 - damping) / size + damping * ((rank * inverse_out) @ weights + spread)
+        new = (1 - damping) / size + damping * (step(rank * inverse_out) + spread)
         done = float((new - rank).abs().sum()) < tol
         rank = new
         if done:

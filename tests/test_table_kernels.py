@@ -61,3 +61,26 @@ def test_candidates_of_matrices_with_none_are_empty():
     rows, cols = table_kernels.one_way_candidates(matrix, torch.zeros_like(counts), 1)
     flat, lifts = table_kernels.lift_candidates(matrix, uniform, counts, 100)
     assert rows.numel() == cols.numel() == flat.numel() == lifts.numel() == 0
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 9), (70, 70), (133, 40)])
+def test_vector_matrix_equals_a_float64_product(rows, cols):
+    g = torch.Generator().manual_seed(rows)
+    matrix = torch.rand(rows, cols, generator=g) * (torch.rand(rows, cols, generator=g) < 0.5)
+    vector = torch.rand(rows, generator=g, dtype=torch.float64)
+    vector[::3] = 0  # rows skipped by the kernel
+    product = table_kernels.vector_matrix(vector, matrix)
+    assert product.dtype == torch.float64 and product.shape == (cols,)
+    torch.testing.assert_close(product, vector @ matrix.double(), rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match=rf"\(V,\) vector and a \(V, W\) matrix, got \({rows + 1},\) and"):
+        table_kernels.vector_matrix(torch.zeros(rows + 1, dtype=torch.float64), matrix)
+
+
+def test_row_sums_equal_float64_sums():
+    g = torch.Generator().manual_seed(0)
+    for matrix in (
+        torch.rand(70, 33, generator=g),
+        torch.rand(1, 1, generator=g),
+        torch.rand(9, 40, generator=g)[:, :30],
+    ):
+        torch.testing.assert_close(table_kernels.row_sums(matrix), matrix.double().sum(dim=1), rtol=1e-13, atol=0)

@@ -67,6 +67,19 @@ def test_pagerank_of_sums_equals_pagerank_of_mass_and_does_not_depend_on_the_sta
     torch.testing.assert_close(F.pagerank(tiny), expected, rtol=0, atol=1e-9)
 
 
+def test_pagerank_of_a_float32_matrix_is_the_same_with_and_without_numba(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    matrix = torch.rand(150, 150, generator=g) * (torch.rand(150, 150, generator=g) < 0.2)
+    matrix[3] = 0  # dangling
+    ranks = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", switch)
+        ranks[switch] = F.pagerank(matrix)
+    torch.testing.assert_close(ranks["1"], ranks["0"], rtol=0, atol=1e-12)
+    expected = torch.from_numpy(naive_pagerank(matrix.numpy(), 0.85))
+    torch.testing.assert_close(ranks["1"], expected, rtol=0, atol=1e-8)
+
+
 def test_pagerank_docstring_example_and_uniform_cases():
     rank = F.pagerank(torch.tensor([[0.0, 1.0], [0.0, 1.0]]), damping=0.5)
     # pi_0 = 0.25 + 0.5 * 0 ; pi_1 = 0.25 + 0.5 * (pi_0 + pi_1)
