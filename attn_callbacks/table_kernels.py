@@ -6,8 +6,7 @@ tokens); these read each matrix once (the one-way pass by tiles, whose transpose
 give the candidates in row-major order (ascending flat index), as ``nonzero`` does. The lift pass runs twice over
 blocks of rows: the first counts each block's candidates, the second writes them where the counts say. PageRank's
 product reads the float32 matrix and sums in float64, where torch needs a float64 copy of it (a V × V allocation
-every epoch).
-:mod:`attn_callbacks.tables`' torch code is the reference they are tested against, and the GPU path.
+every epoch). :mod:`attn_callbacks.tables`' torch code is the reference they are tested against, and the GPU path.
 """
 
 from __future__ import annotations
@@ -147,6 +146,7 @@ def vector_matrix(vector: Tensor, matrix: Tensor) -> Tensor:
 
 @numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
 def _row_sums(matrix, out):  # pragma: no cover - compiled
+    """``out[a] = Σ_b matrix[a, b]`` in float64, rows split across threads."""
     for a in numba.prange(matrix.shape[0]):
         row = matrix[a]
         total = 0.0

@@ -169,7 +169,7 @@ def pagerank(
     fast = _table_kernels(matrix) if matrix.dtype == torch.float32 else None
     out = fast.row_sums(matrix) if fast is not None else matrix.double().sum(dim=1)
     inverse_out = torch.where(out > 0, 1 / torch.where(out > 0, out, 1), 0)
-    if fast is not None and bool(torch.isfinite(inverse_out).all()):  # no NaN or inf in the matrix either
+    if fast is not None and bool(torch.isfinite(out).all()):  # every row sum finite: no NaN or inf in the matrix
         weights = matrix  # read as float32 and summed in float64: no float64 copy
 
         def step(vector: Tensor) -> Tensor:

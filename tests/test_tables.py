@@ -205,3 +205,12 @@ def test_lift_pairs_table_ranks_the_lift_of_every_supported_pair_as_a_python_sor
     assert [(int(row[0][2:]), int(row[1]), float(row[2])) for row in got] == [
         (a, b, pytest.approx(score, abs=5e-4)) for a, b, score in expected
     ]
+
+
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_pagerank_of_a_matrix_with_an_inf_or_nan_is_nan_on_either_path(numba, monkeypatch):
+    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
+    for bad in (float("inf"), float("nan")):
+        matrix = torch.rand(6, 6, generator=torch.Generator().manual_seed(1))
+        matrix[2, 4] = bad
+        assert F.pagerank(matrix).isnan().any(), bad
