@@ -277,20 +277,21 @@ def cross_and_norm(matrix, acc):  # pragma: no cover - compiled
                     m = matrix[c]
                     for b in range(c0, c1):
                         back[: r1 - r0, b - c0] = m[b, r0:r1]
-                    cross = 0.0
                     norm = 0.0
+                    gap = 0.0
                     for a in range(r0, r1):
                         forth, backward = m[a, c0:c1], back[a - r0]  # row views: these loops vectorise
                         for k in range(c1 - c0):
                             x = np.float64(forth[k])
                             y = np.float64(backward[k])
-                            cross += x * y
                             norm += x * x + y * y
+                            gap += (x - y) * (x - y)
+                    # 2 x y = x² + y² - (x - y)²: a symmetric P gives cross = norm exactly, whatever fast-math's order.
                     if i == j:  # the tile is its own partner: every cell met twice, every pair once each way
-                        acc[t, 0, c] += cross
+                        acc[t, 0, c] += 0.5 * (norm - gap)
                         acc[t, 1, c] += 0.5 * norm
                     else:  # tile (j, i) pairs the same cells the other way round
-                        acc[t, 0, c] += 2.0 * cross
+                        acc[t, 0, c] += norm - gap
                         acc[t, 1, c] += norm
 
 

@@ -157,3 +157,11 @@ def test_cross_and_norm_sums_equal_float64_sums_across_tile_edges(size):
     p = matrices.double()
     torch.testing.assert_close(cross, (p * p.transpose(1, 2)).sum(dim=(1, 2)), rtol=1e-12, atol=0)
     torch.testing.assert_close(norm, (p * p).sum(dim=(1, 2)), rtol=1e-12, atol=0)
+
+
+def test_cross_and_norm_sums_of_a_symmetric_matrix_are_equal():
+    g = torch.Generator().manual_seed(0)
+    for size in (5, 65, 200):
+        half = torch.rand(2, size, size, generator=g)
+        cross, norm = summary_kernels.cross_and_norm_sums(half + half.transpose(1, 2))
+        assert torch.equal(cross, norm)  # asymmetry exactly 0
