@@ -70,6 +70,11 @@ def _xlogx(x):
     return x * _log(max(x, _TINY))
 
 
+def _threads() -> int:
+    """Threads for a kernel: numba's, at most torch's, so that ``torch.set_num_threads`` holds for the kernels too."""
+    return max(1, min(numba.get_num_threads(), torch.get_num_threads()))
+
+
 @numba.njit(cache=True, nogil=True)
 def _first_bad_id(ids, valid, size):
     """Flat index of the first valid position whose id is outside ``[0, size)``, or -1."""
@@ -311,7 +316,7 @@ def accumulate_attention_numba(
                 f"Expected `{name}` in [0, {size}) at valid positions, but got {int(ids.reshape(-1)[bad])} at "
                 f"position {np.unravel_index(bad, ids.shape)}"
             )
-    threads = max(1, min(numba.get_num_threads(), torch.get_num_threads()))
+    threads = _threads()
     stats, skipped = _accumulate(
         *arrays, sums.detach().numpy(), pair_count.detach().numpy(), query_count.detach().numpy(), threads
     )

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from attn_callbacks.blocks import safe_divide
 from attn_callbacks.drift import supported_rows
-from attn_callbacks.numba_kernels import _FASTMATH, _log, _xlogx
+from attn_callbacks.numba_kernels import _FASTMATH, _log, _threads, _xlogx
 
 __all__ = ["RowPass", "cross_and_norm", "cross_and_norm_sums", "module_rows", "row_pass"]
 
@@ -304,10 +304,6 @@ class RowPass(NamedTuple):
     js: Tensor  # weighted row JS per comparison, (compare, H + 1)
     frobenius: Tensor  # relative Frobenius change per comparison, (compare, H + 1)
     rows_js: Tensor  # every row's JS per comparison, (compare, H + 1, Vq), NaN where a row does not count
-
-
-def _threads() -> int:
-    return max(1, min(numba.get_num_threads(), torch.get_num_threads()))
 
 
 def _array(tensor: Tensor, dtype: torch.dtype) -> np.ndarray:

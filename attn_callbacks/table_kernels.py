@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attn_callbacks.numba_kernels import _FASTMATH
+from attn_callbacks.numba_kernels import _FASTMATH, _threads
 
 __all__ = ["lift_candidates", "one_way_candidates", "row_sums", "vector_matrix"]
 
@@ -76,11 +76,6 @@ def _lift(sums, uniform, count, min_support, starts, out, values):  # pragma: no
             starts[block + 1] = n
 
 
-def _starts(counts: np.ndarray) -> np.ndarray:
-    """Each block's first output index, from the first pass's per-block counts in ``counts[1:]``."""
-    return np.cumsum(counts)
-
-
 def one_way_candidates(matrix: Tensor, pair_count: Tensor, min_support: int) -> tuple[Tensor, Tensor]:
     """The candidate cells of :func:`attn_callbacks.tables.one_way_pairs` of a square CPU ``matrix`` (float32 or
     float64) and its int64 ``pair_count``: ``(rows, cols)``, in row-major order."""
@@ -107,7 +102,7 @@ def lift_candidates(sums: Tensor, uniform: Tensor, pair_count: Tensor, min_suppo
     c = pair_count.detach().to(torch.int64).numpy()
     counts = np.zeros((s.shape[0] + _BLOCK - 1) // _BLOCK + 1, dtype=np.int64)
     _lift(s, u, c, min_support, counts, np.empty(0, dtype=np.int64), np.empty(0, dtype=s.dtype))
-    starts = _starts(counts)
+    starts = np.cumsum(counts)  # each block's first output index; the total last
     out, values = np.empty(int(starts[-1]), dtype=np.int64), np.empty(int(starts[-1]), dtype=s.dtype)
     if out.size:
         _lift(s, u, c, min_support, starts, out, values)
@@ -138,8 +133,7 @@ def vector_matrix(vector: Tensor, matrix: Tensor) -> Tensor:
         raise ValueError(
             f"Expected a (V,) vector and a (V, W) matrix, got {tuple(vector.shape)} and {tuple(matrix.shape)}"
         )
-    threads = max(1, min(numba.get_num_threads(), torch.get_num_threads()))
-    partial = np.zeros((threads, matrix.shape[1]))
+    partial = np.zeros((_threads(), matrix.shape[1]))
     _vector_matrix(vector.detach().to(torch.float64).numpy(), matrix.detach().numpy(), partial)
     return torch.from_numpy(partial.sum(axis=0))
 
