@@ -65,24 +65,38 @@ class SdpaBlock(nn.Module):
 class SdpaEncoder(LightningModule):
     """Embedding and 4 :class:`SdpaBlock`: the stress workload's shapes, attention through SDPA."""
 
-    def __init__(self, vocab: int = VOCAB, layers: int = LAYERS):
+    def __init__(
+        self,
+        vocab: int = VOCAB,
+        layers: int = LAYERS,
+        d_model: int = D_MODEL,
+        heads: int = HEADS,
+        feedforward: int = FEEDFORWARD,
+    ):
         super().__init__()
-        self.embed = nn.Embedding(vocab, D_MODEL)
-        self.blocks = nn.Sequential(*(SdpaBlock() for _ in range(layers)))
+        self.embed = nn.Embedding(vocab, d_model)
+        self.blocks = nn.Sequential(*(SdpaBlock(d_model, heads, feedforward) for _ in range(layers)))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.blocks(self.embed(batch["input_ids"]))
 
 
-def token_ids(batches: int, distribution: str = "zipf", vocab: int = VOCAB, seed: int = 0) -> list[dict]:
-    """``batches`` batches of (BATCH, LENGTH) ids: Zipf(1) over the vocabulary (as in real text) or uniform."""
+def token_ids(
+    batches: int,
+    distribution: str = "zipf",
+    vocab: int = VOCAB,
+    seed: int = 0,
+    batch: int = BATCH,
+    length: int = LENGTH,
+) -> list[dict]:
+    """``batches`` batches of (batch, length) ids: Zipf(1) over the vocabulary (as in real text) or uniform."""
     g = torch.Generator().manual_seed(seed)
     if distribution == "zipf":
         weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     else:
         weights = torch.ones(vocab, dtype=torch.float64)
-    ids = torch.multinomial(weights, batches * BATCH * LENGTH, replacement=True, generator=g)
-    return [{"input_ids": chunk.view(BATCH, LENGTH)} for chunk in ids.split(BATCH * LENGTH)]
+    ids = torch.multinomial(weights, batches * batch * length, replacement=True, generator=g)
+    return [{"input_ids": chunk.view(batch, length)} for chunk in ids.split(batch * length)]
 
 
 def quiet() -> None:

@@ -3,7 +3,8 @@
     python benchmarks/scaling.py
 
 Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast path the callback runs: the numba
-kernel on CPU, where numba runs) on softmax weights with Zipf(1) token ids, median of 5 after a warm-up. ``ns/weight``
+kernel on CPU, where numba runs; the torch code on a CUDA device, where there is one) on softmax weights with Zipf(1)
+token ids, median of 5 after a warm-up. ``ns/weight``
 divides by the B·H·L² weights read: flat down a column means the cost is linear in B·H·L²; flat across the vocabulary
 block means V only costs memory. A last section times the numba kernel against the torch code
 (:func:`attn_callbacks.kernels.accumulate_attention_torch`, with its pair index) at the base shape, on CPU.
@@ -20,6 +21,7 @@ from attn_callbacks import functional as F
 from attn_callbacks.kernels import accumulate_attention_torch, uses_numba
 
 BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the callback's sums live on the model's device
 
 
 def step_seconds(
@@ -34,18 +36,18 @@ def step_seconds(
     """Seconds of one step; ``path``: ``dispatch`` (what the callback runs), ``torch`` (the torch code, with its pair
     index) or ``numba`` (the kernel, from the ids)."""
     g = torch.Generator().manual_seed(0)
-    weights = torch.randn(batch, heads, length, length, generator=g).softmax(dim=-1)
+    weights = torch.randn(batch, heads, length, length, generator=g).softmax(dim=-1).to(DEVICE)
     if distribution == "zipf":
         probs = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     else:
         probs = torch.ones(vocab, dtype=torch.float64)
-    ids = torch.multinomial(probs, batch * length, replacement=True, generator=g).view(batch, length)
-    valid = torch.ones(batch, length, dtype=torch.bool)
+    ids = torch.multinomial(probs, batch * length, replacement=True, generator=g).view(batch, length).to(DEVICE)
+    valid = torch.ones(batch, length, dtype=torch.bool, device=DEVICE)
     channels = 1 if mean_of_heads else heads
-    sums = torch.zeros(channels + 1, vocab * vocab + 1)
-    pair_count = torch.zeros(vocab * vocab + 1, dtype=torch.long)
-    query_count = torch.zeros(vocab + 1, dtype=torch.long)
-    position_sums = torch.zeros(len(F.POSITION_STATS), heads)
+    sums = torch.zeros(channels + 1, vocab * vocab + 1, device=DEVICE)
+    pair_count = torch.zeros(vocab * vocab + 1, dtype=torch.long, device=DEVICE)
+    query_count = torch.zeros(vocab + 1, dtype=torch.long, device=DEVICE)
+    position_sums = torch.zeros(len(F.POSITION_STATS), heads, device=DEVICE)
     state = (sums, pair_count, query_count, position_sums)
 
     def step() -> None:
@@ -82,7 +84,7 @@ def compare_paths() -> None:
 def main() -> None:
     print(
         f"accumulate_attention, one module and batch; torch {torch.__version__}, "
-        f"{'cuda' if torch.cuda.is_available() else f'cpu ({torch.get_num_threads()} threads)'}, "
+        f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else f'cpu ({torch.get_num_threads()} threads)'}, "
         f"{platform.processor() or platform.machine()}"
     )
     print(f"{'varied':7} {'B':>4} {'L':>5} {'H':>4} {'V':>6} {'B·H·L² (M)':>11} {'ms':>8} {'ns/weight':>10}")
@@ -104,7 +106,7 @@ def main() -> None:
         f"{'per_head=False (head-mean sums only)':37} {weights / 1e6:11.1f} {seconds * 1e3:8.1f} "
         f"{seconds / weights * 1e9:10.2f}"
     )
-    if not torch.cuda.is_available():
+    if DEVICE == "cpu":
         compare_paths()
 
 

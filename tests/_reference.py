@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import os
 
 import numpy as np
 import torch
@@ -11,6 +12,9 @@ from torch import Tensor
 
 from attn_callbacks.blocks import safe_divide
 from attn_callbacks.kernels import POSITION_STATS
+
+# The Lightning accelerator of the end-to-end tests: "cpu" in CI; "gpu" runs them on a CUDA device where one exists.
+ACCELERATOR = os.environ.get("ATTN_CALLBACKS_TEST_ACCELERATOR", "cpu")
 
 
 def add_loop_sums(S: torch.Tensor, Q: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pad: int) -> None:

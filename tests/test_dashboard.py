@@ -4,6 +4,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from _reference import ACCELERATOR
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
@@ -212,7 +213,7 @@ def test_validate_only_run_writes_head_grids_of_the_logged_values_and_a_layout_c
     monitor = AttentionMonitor(VOCAB, lambda batch: batch, ignore_ids=[PAD], min_support=1)
     t = Trainer(
         default_root_dir=tmp_path,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         logger=TensorBoardLogger(tmp_path, name="tb"),
         callbacks=[monitor],
         enable_progress_bar=False,
@@ -268,7 +269,7 @@ def test_two_monitors_on_one_run_keep_both_parts_of_the_layout(tmp_path):
     ]
     t = Trainer(
         default_root_dir=tmp_path,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         logger=TensorBoardLogger(tmp_path, name="tb"),
         callbacks=monitors,
         enable_progress_bar=False,

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from _reference import add_loop_sums
+from _reference import ACCELERATOR, add_loop_sums
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -78,7 +78,7 @@ class Wrapper(LightningModule):
 def validate(tmp_path, monitor, model, batches=None):
     trainer = Trainer(
         default_root_dir=tmp_path,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         logger=TensorBoardLogger(tmp_path, name="tb"),
         callbacks=[monitor],
         enable_progress_bar=False,
@@ -217,7 +217,9 @@ def test_hf_switch_to_sdpa_after_setup_fails_loudly_and_leaves_no_hooks(tmp_path
             self.model.set_attn_implementation("sdpa")
 
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
-    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", callbacks=[monitor], enable_progress_bar=False)
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=[monitor], enable_progress_bar=False
+    )
     with pytest.raises(RuntimeError, match="switched to attn_implementation='sdpa' after the monitor's setup"):
         trainer.validate(Switching(model), DataLoader(make_batches(), batch_size=None), verbose=False)
     assert hook_counts(model) == hooks
@@ -358,7 +360,7 @@ def fitted_sums(root, model):
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], export="pt")
     trainer = Trainer(
         default_root_dir=root,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         max_epochs=2,
         logger=TensorBoardLogger(root, name="tb"),
         callbacks=[monitor],
@@ -473,13 +475,13 @@ def test_hf_models_log_the_position_statistics_of_their_float64_eager_twin(tmp_p
     streams = {"src": "input_ids", "tgt": "decoder_input_ids"} if kind in SEQ2SEQ else "input_ids"
     model = generative(kind, attn_implementation)
     plain = Generating(model)
-    Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).validate(
+    Trainer(accelerator=ACCELERATOR, logger=False, enable_progress_bar=False).validate(
         plain, DataLoader(batches, batch_size=None), verbose=False
     )
     monitored = Generating(model)
     trainer = Trainer(
         default_root_dir=tmp_path,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         logger=TensorBoardLogger(tmp_path, name="tb"),
         callbacks=[AttentionMonitor(VOCAB, streams, ignore_ids=[PAD])],  # no attention_streams: wired by roles
         enable_progress_bar=False,
@@ -516,6 +518,8 @@ def test_hf_models_log_the_position_statistics_of_their_float64_eager_twin(tmp_p
 def test_hf_seq2seq_batch_with_labels_only_says_how_to_give_decoder_input_ids(tmp_path):
     batches = [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in make_batches(n=4)]
     monitor = AttentionMonitor(VOCAB, {"src": "input_ids", "tgt": "decoder_input_ids"}, ignore_ids=[PAD])
-    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", callbacks=[monitor], enable_progress_bar=False)
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=[monitor], enable_progress_bar=False
+    )
     with pytest.raises(KeyError, match="DataCollatorForSeq2Seq.*prepare_decoder_input_ids_from_labels"):
         trainer.validate(Generating(generative("bart", "sdpa")), DataLoader(batches, batch_size=None), verbose=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _reference import naive_position_sums
+from _reference import ACCELERATOR, naive_position_sums
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -158,7 +158,7 @@ def run(tmp_path, model, monitor, batches):
     lit = Lit(model)
     trainer = Trainer(
         default_root_dir=tmp_path,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         logger=TensorBoardLogger(tmp_path, name="tb") if monitor else False,
         callbacks=[monitor] if monitor else [],
         enable_progress_bar=False,
@@ -281,7 +281,7 @@ def fitted(tmp_path, name, model):
     torch.manual_seed(0)
     trainer = Trainer(
         default_root_dir=tmp_path,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         max_epochs=2,
         logger=TensorBoardLogger(tmp_path, name=name),
         callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids", min_support=1)],
