@@ -204,41 +204,37 @@ def accumulate_attention_torch(
     without numba, and the reference the numba kernel is tested against.
 
     On CPU the batch is processed a few samples at a time so that each chunk of weights stays in cache across its
-    passes (the scatter, the row sums, ``Σ w log w`` and the distance); position sums are batched matrix-vector
-    products rather than element-wise temporaries. On GPU the whole batch is one chunk.
+    passes (the scatter, the row sums, ``Σ w log w``, the diagonals and the distance). On GPU the whole batch is one
+    chunk, and the op count is what costs: a BERT-base batch's kernels take microseconds each, their launches from
+    Python about as long, so every position statistic is a view or a reduction of the masked weights.
     """
     batch, num_heads, len_q, len_k = weights.shape
     dtype = sums.dtype
+    channels = sums.shape[0] - 1  # H, or 1 for the mean of the heads
+    if channels not in (num_heads, 1):
+        raise ValueError(f"Expected `sums` to have H + 1 = {num_heads + 1} or 2 rows, but got {sums.shape[0]}")
     finite = torch.isfinite(weights.sum(dim=-1)).all(dim=1)  # (B, Lq): a sum is finite iff every term is
-    positive = weights.amax(dim=1).to(dtype) > 0  # (B, Lq, Lk): some head's weight, non-zero as stored in the sums
+    peak = weights.amax(dim=1)  # (B, Lq, Lk)
+    positive = (peak if peak.dtype == dtype else peak.to(dtype)) > 0  # some head's weight, non-zero in the sums
     usable = finite & positive.any(dim=-1)
     rows = query_valid & usable
     skipped = (query_valid & ~usable).sum()
-    query_count.index_add_(
-        0, torch.where(rows, query_ids.long(), query_count.numel() - 1).reshape(-1), rows.reshape(-1).long()
-    )
+    discard = query_count.numel() - 1
+    query_count.index_add_(0, torch.where(rows, query_ids.long(), discard).reshape(-1), rows.reshape(-1).long())
     kept = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
     flat = pairs.reshape(batch, len_q * len_k)
     # Pairs of ignored positions already point at the discard cell; C must also skip the pairs of dropped rows.
     pair_count.index_add_(0, flat.reshape(-1), kept.reshape(-1).to(pair_count.dtype))
 
     visible = positive & kept  # (B, Lq, Lk)
-    num_visible = visible.sum(dim=-1)  # (B, Lq)
-    uniform = visible.to(dtype) / num_visible.clamp(min=1)[:, :, None].to(dtype)  # 1 / #visible on visible keys
-
-    positions = torch.arange(len_q, device=weights.device)
-    distance = (positions[:, None] - torch.arange(len_k, device=weights.device)[None, :]).abs().to(dtype)
-    distance = distance.reshape(len_q * len_k, 1)
-    row_plogp = weights.new_empty(num_heads, batch, len_q, dtype=dtype)  # Σ_j p log p, p = w renormalised
-    row_distance = weights.new_empty(num_heads, batch, dtype=dtype)  # Σ_ij w |i - j| over valid keys
+    # #visible keys, 1 for a row with none: such a row adds nothing to U, and log 1 = 0 to the maximum entropy.
+    num_visible = visible.sum(dim=-1, dtype=dtype).clamp_(min=1)  # (B, Lq)
+    distance = _distance(len_q, len_k, weights.device, dtype)  # (Lq * Lk,)
     sample_bytes = (num_heads + 2) * len_q * len_k * torch.finfo(dtype).bits // 8
     chunk = batch if weights.is_cuda else max(1, _CPU_CHUNK_BYTES // max(sample_bytes, 1))
-    channels = sums.shape[0] - 1  # H, or 1 for the mean of the heads
-    if channels not in (num_heads, 1):
-        raise ValueError(f"Expected `sums` to have H + 1 = {num_heads + 1} or 2 rows, but got {sums.shape[0]}")
-    zero = weights.new_zeros((), dtype=dtype)
     # Nothing to mask (no padding, no dropped row): known for free on CPU; asking a GPU would cost a sync.
     keep_all = weights.device.type == "cpu" and bool(kept.all())
+    zero = weights.new_zeros((), dtype=dtype)
     for start in range(0, batch, chunk):
         stop = min(start + chunk, batch)
         size = stop - start
@@ -255,31 +251,37 @@ def accumulate_attention_torch(
             torch.where(kept[start:stop, None], weights[start:stop].to(dtype), zero, out=w.transpose(0, 1))
         if channels != num_heads:
             torch.mean(w, dim=0, out=source[0])
-        source[channels] = uniform[start:stop]
+        torch.div(visible[start:stop], num_visible[start:stop, :, None], out=source[channels])  # U: 1 / #visible
         sums.index_add_(1, flat[start:stop].reshape(-1), source.view(channels + 1, -1))
-        row_plogp[:, start:stop] = weights_plogp(w, w.sum(dim=-1), exact=weights.is_cuda)
-        row_distance[:, start:stop] = (w.view(num_heads * size, len_q * len_k) @ distance).view(num_heads, size)
-
-    def diagonal(offset: int) -> Tensor:
-        """Σ over kept rows i of w[i, i + offset] where key i + offset is valid, per head."""
-        values = weights.diagonal(offset, -2, -1)  # (B, H, n)
-        first_row = max(-offset, 0)
-        count = values.shape[-1]
-        keep = rows[:, first_row : first_row + count] & key_valid[:, first_row + offset : first_row + offset + count]
-        return torch.where(keep[:, None, :], values, 0).to(dtype).sum(dim=(0, 2))
-
-    max_entropy = torch.where(rows, num_visible.clamp(min=1).to(dtype).log(), 0).sum()
-    position_sums += torch.stack(
-        [
-            -row_plogp.sum(dim=(1, 2)),
-            max_entropy.expand(num_heads),
-            diagonal(0),
-            diagonal(-1),
-            diagonal(1),
-            row_distance.sum(dim=1),
-        ]
-    ).to(position_sums.dtype)
+        # w is masked: its diagonals hold exactly the kept rows' weights on valid keys i, i - 1 and i + 1.
+        part = torch.stack(
+            [
+                -weights_plogp(w, w.sum(dim=-1), exact=weights.is_cuda).sum(dim=(1, 2)),  # Σ_j p log p, p renormalised
+                num_visible[start:stop].log().sum().expand(num_heads),
+                *(w.diagonal(offset, -2, -1).sum(dim=(1, 2)) for offset in (0, -1, 1)),
+                (w.view(num_heads, size, len_q * len_k) @ distance).sum(dim=1),  # Σ_ij w |i - j|
+            ]
+        )  # (len(POSITION_STATS), H)
+        position_sums += part if part.dtype == position_sums.dtype else part.to(position_sums.dtype)
     return skipped
+
+
+# (len_q, len_k, device, dtype) -> |i - j| flattened: made once, as a normal tensor even under inference mode.
+_DISTANCES: dict[tuple[int, int, torch.device, torch.dtype], Tensor] = {}
+
+
+def _distance(len_q: int, len_k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``|i - j|`` for every (query, key) position pair, flattened to ``(Lq * Lk,)``; cached (a few shapes a run)."""
+    key = (len_q, len_k, device, dtype)
+    distance = _DISTANCES.get(key)
+    if distance is None:
+        if len(_DISTANCES) >= 64:  # lengths that vary by batch: keep the cache small
+            _DISTANCES.clear()
+        with torch.inference_mode(False):
+            positions = torch.arange(max(len_q, len_k), device=device)
+            distance = (positions[:len_q, None] - positions[None, :len_k]).abs().to(dtype).reshape(-1)
+        _DISTANCES[key] = distance
+    return distance
 
 
 # Rows whose valid keys hold at least this much of the mass take the one-pass entropy formula on CPU.

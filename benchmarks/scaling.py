@@ -1,18 +1,21 @@
 """Time of one accumulation step (one attention module, one batch) as B, L, H and the vocabulary vary.
 
-    python benchmarks/scaling.py
+    python benchmarks/scaling.py [--profile]
 
 Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast path the callback runs: the numba
 kernel on CPU, where numba runs; the torch code on a CUDA device, where there is one) on softmax weights with Zipf(1)
 token ids, median of 5 after a warm-up. ``ns/weight``
 divides by the B·H·L² weights read: flat down a column means the cost is linear in B·H·L²; flat across the vocabulary
 block means V only costs memory. A last section times the numba kernel against the torch code
-(:func:`attn_callbacks.kernels.accumulate_attention_torch`, with its pair index) at the base shape, on CPU.
+(:func:`attn_callbacks.kernels.accumulate_attention_torch`, with its pair index) at the base shape, on CPU;
+``--profile`` prints torch.profiler's table of a step (on a GPU: the time of each kernel).
 """
 
 from __future__ import annotations
 
+import argparse
 import platform
+from collections.abc import Callable
 
 import torch
 
@@ -24,7 +27,7 @@ BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the callback's sums live on the model's device
 
 
-def step_seconds(
+def make_step(
     batch: int,
     length: int,
     heads: int,
@@ -32,9 +35,9 @@ def step_seconds(
     mean_of_heads: bool = False,
     distribution: str = "zipf",
     path: str = "dispatch",
-) -> float:
-    """Seconds of one step; ``path``: ``dispatch`` (what the callback runs), ``torch`` (the torch code, with its pair
-    index) or ``numba`` (the kernel, from the ids)."""
+) -> Callable[[], None]:
+    """One step on fresh sums; ``path``: ``dispatch`` (what the callback runs), ``torch`` (the torch code, with its
+    pair index) or ``numba`` (the kernel, from the ids)."""
     g = torch.Generator().manual_seed(0)
     weights = torch.randn(batch, heads, length, length, generator=g).softmax(dim=-1).to(DEVICE)
     if distribution == "zipf":
@@ -60,7 +63,31 @@ def step_seconds(
             pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)
             F.accumulate_attention(*state, weights, pairs, ids, valid, valid)
 
-    return best_of(step)
+    return step
+
+
+def step_seconds(*args, **kwargs) -> float:
+    """Seconds of one step (:func:`make_step`'s arguments)."""
+    return best_of(make_step(*args, **kwargs))
+
+
+def profile_step(steps: int = 10) -> None:
+    """torch.profiler's table of one step's operations at the base shape and at BERT-base's (12 heads, 1,025 ids), by
+    their time on the device: on a GPU, which kernels the time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    for name, (heads, vocab) in {"base": (BASE["H"], BASE["V"]), "bert-base": (12, 1025)}.items():
+        step = make_step(BASE["B"], BASE["L"], heads, vocab)
+        step()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+        print(f"\n{name}: B={BASE['B']} L={BASE['L']} H={heads} V={vocab}, {steps} steps")
+        sort = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 
 def compare_paths() -> None:
@@ -82,6 +109,9 @@ def compare_paths() -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one step")
+    args = parser.parse_args()
     print(
         f"accumulate_attention, one module and batch; torch {torch.__version__}, "
         f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else f'cpu ({torch.get_num_threads()} threads)'}, "
@@ -108,6 +138,8 @@ def main() -> None:
     )
     if DEVICE == "cpu":
         compare_paths()
+    if args.profile:
+        profile_step()
 
 
 if __name__ == "__main__":
