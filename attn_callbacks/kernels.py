@@ -256,7 +256,7 @@ def accumulate_attention_torch(
         # w is masked: its diagonals hold exactly the kept rows' weights on valid keys i, i - 1 and i + 1.
         part = torch.stack(
             [
-                -weights_plogp(w, w.sum(dim=-1), exact=weights.is_cuda).sum(dim=(1, 2)),  # Σ_j p log p, p renormalised
+                _entropy_sum(w, exact=weights.is_cuda),
                 num_visible[start:stop].log().sum().expand(num_heads),
                 *(w.diagonal(offset, -2, -1).sum(dim=(1, 2)) for offset in (0, -1, 1)),
                 (w.view(num_heads, size, len_q * len_k) @ distance).sum(dim=1),  # Σ_ij w |i - j|
@@ -264,6 +264,15 @@ def accumulate_attention_torch(
         )  # (len(POSITION_STATS), H)
         position_sums += part if part.dtype == position_sums.dtype else part.to(position_sums.dtype)
     return skipped
+
+
+def _entropy_sum(w: Tensor, exact: bool) -> Tensor:
+    """``-Σ p log p`` over every row of ``w (H, b, Lq, Lk)``, per head, where ``p`` is the row renormalised (0 for an
+    all-zero row). ``exact``: ``entr`` of ``p`` (few ops, the GPU's way); else :func:`weights_plogp`'s one pass."""
+    if exact:
+        mass = w.sum(dim=-1, keepdim=True)
+        return torch.special.entr(w / torch.where(mass > 0, mass, 1)).sum(dim=(1, 2, 3))  # an all-zero row: 0
+    return -weights_plogp(w, w.sum(dim=-1), exact=False).sum(dim=(1, 2))
 
 
 # (len_q, len_k, device, dtype) -> |i - j| flattened: made once, as a normal tensor even under inference mode.

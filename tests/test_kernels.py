@@ -13,7 +13,7 @@ from _reference import (
 )
 
 from attn_callbacks import functional as F
-from attn_callbacks.kernels import accumulate_attention_torch, weights_plogp
+from attn_callbacks.kernels import _entropy_sum, accumulate_attention_torch, weights_plogp
 
 
 def test_accumulate_attention_matches_naive_loop_self_attention_with_padding_and_causal_mask():
@@ -198,3 +198,19 @@ def test_row_plogp_one_pass_and_exact_paths_match_float64_loop(exact):
         total = sum(row)
         expected.append(sum(x / total * math.log(x / total) for x in row if x > 0) if total > 0 else 0.0)
     torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exact", [True, False])  # True: the GPU's formula, checked here on CPU
+def test_entropy_sum_of_the_torch_path_matches_float64_loop(exact):
+    g = torch.Generator().manual_seed(4)
+    w = torch.rand(2, 3, 4, 6, generator=g)  # (H, b, Lq, Lk)
+    w[0, 0, 0] /= w[0, 0, 0].sum()
+    w[1, 0, 1] *= 1e-3  # small mass
+    w[0, 1, 2] = torch.tensor([1e-40, 3e-41, 0.0, 0.0, 2e-42, 0.0])  # subnormal mass
+    w[1, 2, 3] = 0.0  # an all-zero row: 0
+    expected = torch.zeros(2, dtype=torch.float64)
+    for h in range(2):
+        for row in w[h].double().reshape(-1, 6).tolist():
+            total = sum(row)
+            expected[h] -= sum(x / total * math.log(x / total) for x in row if x > 0) if total > 0 else 0.0
+    torch.testing.assert_close(_entropy_sum(w, exact=exact).double(), expected, rtol=1e-5, atol=1e-5)
