@@ -280,11 +280,12 @@ _DISTANCES: dict[tuple[int, int, torch.device, torch.dtype], Tensor] = {}
 
 
 def _distance(len_q: int, len_k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """``|i - j|`` for every (query, key) position pair, flattened to ``(Lq * Lk,)``; cached (a few shapes a run)."""
+    """``|i - j|`` for every (query, key) position pair, flattened to ``(Lq * Lk,)``: made once per batch shape, not
+    once per module (as large as one head of one sample's weights)."""
     key = (len_q, len_k, device, dtype)
     distance = _DISTANCES.get(key)
     if distance is None:
-        if len(_DISTANCES) >= 64:  # lengths that vary by batch: keep the cache small
+        if len(_DISTANCES) >= 4:  # a batch's shapes (self- and cross-attention); lengths that vary start afresh
             _DISTANCES.clear()
         with torch.inference_mode(False):
             positions = torch.arange(max(len_q, len_k), device=device)

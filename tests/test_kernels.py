@@ -214,3 +214,18 @@ def test_entropy_sum_of_the_torch_path_matches_float64_loop(exact):
             total = sum(row)
             expected[h] -= sum(x / total * math.log(x / total) for x in row if x > 0) if total > 0 else 0.0
     torch.testing.assert_close(_entropy_sum(w, exact=exact).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_attention_torch_inside_then_outside_inference_mode_gives_the_same_sums():
+    # The torch path caches its |i - j| vector per shape: made under inference mode (Lightning's validation), it must
+    # still serve a later call outside it (the functional API), with the same sums.
+    weights, qi, ki, qv, kv = random_case(2, 2, 5, 5, 3, 3, seed=5)
+    pairs = F.pair_index(qi, ki, qv, kv, 3, 3)
+    results = []
+    for mode in (torch.inference_mode(), torch.no_grad()):
+        state = (torch.zeros(3, 10), torch.zeros(10, dtype=torch.long), torch.zeros(4).long(), torch.zeros(6, 2))
+        with mode:
+            accumulate_attention_torch(*state, weights.float(), pairs, qi, qv, kv)
+        results.append(state)
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
