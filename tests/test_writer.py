@@ -4,6 +4,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c a
 from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
 
+from attn_callbacks.kernels import NUMBA_SWITCH, uses_numba
 from attn_callbacks.numba_kernels import masked_crc32c
 from attn_callbacks.writer import _record_writer, add_image, quick_checksums
 
@@ -21,7 +22,7 @@ def test_quick_checksums_write_records_tensorboard_reads_back_and_leave_the_writ
     assert isinstance(record, RecordWriter) and "write" not in vars(record)
     image = np.random.default_rng(1).integers(0, 256, (40, 50, 4), dtype=np.uint8)
     with quick_checksums(writer):
-        assert "write" in vars(record)  # this writer's records only
+        assert ("write" in vars(record)) == uses_numba("cpu")  # this writer's records only; none with numba off
         add_image(writer, "picture", image, 3)
         for step in range(5):
             writer.add_scalar("loss", 0.5**step, step)
@@ -40,3 +41,16 @@ def test_quick_checksums_leave_other_writers_alone():
     with quick_checksums(None):
         pass
     assert _record_writer(object()) is None
+
+
+def test_quick_checksums_change_nothing_with_numba_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(NUMBA_SWITCH, "0")
+    writer = SummaryWriter(str(tmp_path))
+    record = _record_writer(writer)
+    with quick_checksums(writer):
+        assert "write" not in vars(record)
+        writer.add_scalar("loss", 0.5, 1)
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={SCALARS: 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5)]
