@@ -271,7 +271,8 @@ def _entropy_sum(w: Tensor, exact: bool) -> Tensor:
     all-zero row). ``exact``: ``entr`` of ``p`` (few ops, the GPU's way); else :func:`weights_plogp`'s one pass."""
     if exact:
         mass = w.sum(dim=-1, keepdim=True)
-        return torch.special.entr(w / torch.where(mass > 0, mass, 1)).sum(dim=(1, 2, 3))  # an all-zero row: 0
+        p = (w / torch.where(mass > 0, mass, 1)).clamp_(min=0)  # an all-zero row stays 0; entr(x < 0) would be -inf
+        return torch.special.entr(p).sum(dim=(1, 2, 3))
     return -weights_plogp(w, w.sum(dim=-1), exact=False).sum(dim=(1, 2))
 
 

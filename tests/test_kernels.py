@@ -229,3 +229,10 @@ def test_accumulate_attention_torch_inside_then_outside_inference_mode_gives_the
         results.append(state)
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_entropy_sum_stays_finite_for_a_negative_weight(exact):
+    # Not attention (softmax weights are >= 0), but a custom module's weights must not turn the epoch's entropy inf.
+    w = torch.tensor([0.5, 0.6, -0.1, 0.0]).expand(1, 1, 2, 4).clone()
+    assert torch.isfinite(_entropy_sum(w, exact=exact)).all()
