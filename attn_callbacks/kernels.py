@@ -231,7 +231,7 @@ def accumulate_attention_torch(
     num_visible = visible.sum(dim=-1, dtype=dtype).clamp_(min=1)  # (B, Lq)
     distance = _distance(len_q, len_k, weights.device, dtype)  # (Lq * Lk,)
     sample_bytes = (num_heads + 2) * len_q * len_k * torch.finfo(dtype).bits // 8
-    chunk = batch if weights.is_cuda else max(1, _CPU_CHUNK_BYTES // max(sample_bytes, 1))
+    chunk = max(1, batch if weights.is_cuda else _CPU_CHUNK_BYTES // max(sample_bytes, 1))  # an empty batch: 1
     # Nothing to mask (no padding, no dropped row): known for free on CPU; asking a GPU would cost a sync.
     keep_all = weights.device.type == "cpu" and bool(kept.all())
     zero = weights.new_zeros((), dtype=dtype)
@@ -256,7 +256,7 @@ def accumulate_attention_torch(
         # w is masked: its diagonals hold exactly the kept rows' weights on valid keys i, i - 1 and i + 1.
         part = torch.stack(
             [
-                _entropy_sum(w, exact=weights.is_cuda),
+                -weights_plogp(w, w.sum(dim=-1), exact=weights.is_cuda).sum(dim=(1, 2)),  # Σ p log p, p renormalised
                 num_visible[start:stop].log().sum().expand(num_heads),
                 *(w.diagonal(offset, -2, -1).sum(dim=(1, 2)) for offset in (0, -1, 1)),
                 (w.view(num_heads, size, len_q * len_k) @ distance).sum(dim=1),  # Σ_ij w |i - j|
@@ -266,32 +266,26 @@ def accumulate_attention_torch(
     return skipped
 
 
-def _entropy_sum(w: Tensor, exact: bool) -> Tensor:
-    """``-Σ p log p`` over every row of ``w (H, b, Lq, Lk)``, per head, where ``p`` is the row renormalised (0 for an
-    all-zero row). ``exact``: ``entr`` of ``p`` (few ops, the GPU's way); else :func:`weights_plogp`'s one pass."""
-    if exact:
-        mass = w.sum(dim=-1, keepdim=True)
-        p = (w / torch.where(mass > 0, mass, 1)).clamp_(min=0)  # an all-zero row stays 0; entr(x < 0) would be -inf
-        return torch.special.entr(p).sum(dim=(1, 2, 3))
-    return -weights_plogp(w, w.sum(dim=-1), exact=False).sum(dim=(1, 2))
-
-
 # (len_q, len_k, device, dtype) -> |i - j| flattened: made once, as a normal tensor even under inference mode.
 _DISTANCES: dict[tuple[int, int, torch.device, torch.dtype], Tensor] = {}
+# Only vectors this small are kept (4 MB in float32), at most 4 of them: for long sequences the L² work dwarfs making
+# one, and a process-long cache of them would hold hundreds of MB of device memory.
+_DISTANCE_CACHE_ELEMENTS = 1 << 20
 
 
 def _distance(len_q: int, len_k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """``|i - j|`` for every (query, key) position pair, flattened to ``(Lq * Lk,)``: made once per batch shape, not
-    once per module (as large as one head of one sample's weights)."""
+    once per module, up to :data:`_DISTANCE_CACHE_ELEMENTS` pairs."""
     key = (len_q, len_k, device, dtype)
     distance = _DISTANCES.get(key)
     if distance is None:
-        if len(_DISTANCES) >= 4:  # a batch's shapes (self- and cross-attention); lengths that vary start afresh
-            _DISTANCES.clear()
         with torch.inference_mode(False):
             positions = torch.arange(max(len_q, len_k), device=device)
             distance = (positions[:len_q, None] - positions[None, :len_k]).abs().to(dtype).reshape(-1)
-        _DISTANCES[key] = distance
+        if len_q * len_k <= _DISTANCE_CACHE_ELEMENTS:
+            if len(_DISTANCES) >= 4:  # a batch's shapes (self- and cross-attention); lengths that vary start afresh
+                _DISTANCES.clear()
+            _DISTANCES[key] = distance
     return distance
 
 
@@ -309,7 +303,7 @@ def weights_plogp(w: Tensor, mass: Tensor, exact: bool) -> Tensor:
     redone the exact way, so subnormal masses lose no precision.
     """
     if exact:  # no safe_divide: its overflow check would sync with the device on every batch
-        return x_log_x(w / torch.where(mass > 0, mass, 1)[..., None])
+        return x_log_x(w / torch.where(mass > 0, mass, 1)[..., None]).clamp_(max=0)  # as below
     w_log_w = x_log_x(w)
     safe = torch.where(mass > 0, mass, 1)
     result = (w_log_w / safe - safe.log()).clamp_(max=0)  # rounding must not make an entropy negative

@@ -1345,7 +1345,8 @@ def test_callback_limit_batches_unhooks_after_n_batches_and_sums_only_those(tmp_
     trainer(tmp_path, [alone]).validate(model, first)
     for name, stats in alone.last.items():
         for field in SUM_FIELDS:
-            torch.testing.assert_close(getattr(limited.last[name], field), getattr(stats, field), **SAME_SUMS)
+            got, want = getattr(limited.last[name], field), getattr(stats, field)
+            torch.testing.assert_close(got, want, **SAME_SUMS, msg=f"{name} {field}")
 
     shuffled = DataLoader(make_batches(seed=1), batch_size=1, collate_fn=collate, shuffle=True)
     with pytest.warns(UserWarning, match="`limit_batches`=2 watches the first batches of a validation loader that"):
