@@ -214,8 +214,7 @@ def accumulate_attention_torch(
     if channels not in (num_heads, 1):
         raise ValueError(f"Expected `sums` to have H + 1 = {num_heads + 1} or 2 rows, but got {sums.shape[0]}")
     finite = torch.isfinite(weights.sum(dim=-1)).all(dim=1)  # (B, Lq): a sum is finite iff every term is
-    peak = weights.amax(dim=1)  # (B, Lq, Lk)
-    positive = (peak if peak.dtype == dtype else peak.to(dtype)) > 0  # some head's weight, non-zero in the sums
+    positive = weights.amax(dim=1).to(dtype) > 0  # (B, Lq, Lk): some head's weight, non-zero as stored in the sums
     usable = finite & positive.any(dim=-1)
     rows = query_valid & usable
     skipped = (query_valid & ~usable).sum()
@@ -262,7 +261,7 @@ def accumulate_attention_torch(
                 (w.view(num_heads, size, len_q * len_k) @ distance).sum(dim=1),  # Σ_ij w |i - j|
             ]
         )  # (len(POSITION_STATS), H)
-        position_sums += part if part.dtype == position_sums.dtype else part.to(position_sums.dtype)
+        position_sums += part.to(position_sums.dtype)
     return skipped
 
 

@@ -63,14 +63,14 @@ class SdpaBlock(nn.Module):
 
 
 class SdpaEncoder(LightningModule):
-    """Embedding and 4 :class:`SdpaBlock`: the stress workload's shapes, attention through SDPA."""
+    """Embedding and `layers` :class:`SdpaBlock` (the stress workload's shapes by default), attention through SDPA."""
 
     def __init__(
         self,
         vocab: int = VOCAB,
-        layers: int = LAYERS,
         d_model: int = D_MODEL,
         heads: int = HEADS,
+        layers: int = LAYERS,
         feedforward: int = FEEDFORWARD,
     ):
         super().__init__()
@@ -97,6 +97,11 @@ def token_ids(
         weights = torch.ones(vocab, dtype=torch.float64)
     ids = torch.multinomial(weights, batches * batch * length, replacement=True, generator=g)
     return [{"input_ids": chunk.view(batch, length)} for chunk in ids.split(batch * length)]
+
+
+def device_label() -> str:
+    """The GPU's name, or the CPU and its torch threads: what the benchmarks' headers say they ran on."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
 
 
 def quiet() -> None:

@@ -50,6 +50,7 @@ from _workload import (
     VOCAB,
     Encoder,
     SdpaEncoder,
+    device_label,
     quiet,
     token_ids,
     validate,
@@ -145,20 +146,18 @@ def main() -> None:
     args = parser.parse_args()
     quiet()
     vocab, d_model, heads, layers, feedforward, batch, length, tracked = PRESETS[args.preset]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     print(
         f"{layers} x nn.TransformerEncoderLayer({d_model}, {heads} heads, ff {feedforward}), batch {batch} x length "
         f"{length}, Zipf ids over {vocab} tracked to {tracked} + <other>, {args.batches} batches per epoch, "
-        f"{args.rounds} rounds; torch {torch.__version__}, {device}, {platform.processor() or platform.machine()}"
+        f"{args.rounds} rounds; torch {torch.__version__}, {device_label()}, "
+        f"{platform.processor() or platform.machine()}"
     )
     batches = token_ids(args.batches, "zipf", vocab, batch=batch, length=length)
     print(f"\n{'model':8} {'configuration':24} {'figure':16} {'min / median / max':>24}")
     for model_name in args.models.split(","):
         torch.manual_seed(0)
-        if model_name == "sdpa":
-            model = SdpaEncoder(vocab, layers, d_model, heads, feedforward)
-        else:
-            model = Encoder(vocab, d_model, heads, layers, feedforward, head=model_name == "heavy")
+        shapes = {"vocab": vocab, "d_model": d_model, "heads": heads, "layers": layers, "feedforward": feedforward}
+        model = SdpaEncoder(**shapes) if model_name == "sdpa" else Encoder(**shapes, head=model_name == "heavy")
         for config, rows in run(model.eval(), batches, args.rounds, vocab, tracked).items():
             for figure, values in rows.items():
                 print(f"{model_name:8} {config:24} {figure:16} {summary(values):>24}")

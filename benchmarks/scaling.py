@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from _workload import best_of
+from _workload import best_of, device_label
 from attn_callbacks import functional as F
 from attn_callbacks.kernels import accumulate_attention_torch, uses_numba
 
@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"accumulate_attention, one module and batch; torch {torch.__version__}, "
-        f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else f'cpu ({torch.get_num_threads()} threads)'}, "
+        f"{device_label()}, "
         f"{platform.processor() or platform.machine()}"
     )
     print(f"{'varied':7} {'B':>4} {'L':>5} {'H':>4} {'V':>6} {'B·H·L² (M)':>11} {'ms':>8} {'ns/weight':>10}")
