@@ -252,47 +252,75 @@ def module_rows(
 
 
 _TILE = 64  # 64 × 64 float32 cells: a tile and its transpose stay in L1
+_BLOCK = 256  # 256 × 256 float32 cells (256 KB): a block and its partner stay in L2
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _block_pair(forth, part, rows, cols, diagonal, back, acc, t, c):  # pragma: no cover - compiled
+    """Add one block and its partner to ``acc[t, :, c]``: ``forth[a, b]`` (``rows × cols``) pairs with ``part[b, a]``.
+    A diagonal block is its own partner: only its tiles on and above the diagonal are read (every pair once)."""
+    tiles_r = (rows + _TILE - 1) // _TILE
+    tiles_c = (cols + _TILE - 1) // _TILE
+    for i in range(tiles_r):
+        r0 = i * _TILE
+        r1 = min(r0 + _TILE, rows)
+        for j in range(i if diagonal else 0, tiles_c):
+            c0 = j * _TILE
+            c1 = min(c0 + _TILE, cols)
+            for b in range(c0, c1):  # the partner tile, transposed into L1
+                back[: r1 - r0, b - c0] = part[b, r0:r1]
+            norm = 0.0
+            gap = 0.0
+            for a in range(r0, r1):
+                ahead, behind = forth[a, c0:c1], back[a - r0]  # row views: these loops vectorise
+                for k in range(c1 - c0):
+                    x = np.float64(ahead[k])
+                    y = np.float64(behind[k])
+                    norm += x * x + y * y
+                    gap += (x - y) * (x - y)
+            # 2 x y = x² + y² - (x - y)²: a symmetric P gives cross = norm exactly, whatever fast-math's order.
+            if diagonal and i == j:  # the tile is its own partner: every cell met twice, every pair once each way
+                acc[t, 0, c] += 0.5 * (norm - gap)
+                acc[t, 1, c] += 0.5 * norm
+            else:  # the partner tile pairs the same cells the other way round
+                acc[t, 0, c] += norm - gap
+                acc[t, 1, c] += norm
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
 def cross_and_norm(matrix, acc):  # pragma: no cover - compiled
-    """``<P, Pᵀ>`` and ``<P, P>`` of every square ``(C, V, V)`` float32 matrix, tile pairs split across
+    """``<P, Pᵀ>`` and ``<P, P>`` of every square ``(C, V, V)`` float32 matrix, block pairs split across
     ``acc.shape[0]`` threads; ``acc (threads, 2, C)`` float64 zeros receives each thread's sums.
 
-    Each tile's partner (the transposed tile) is copied, row segment by row segment, into a local transposed buffer
-    first: read down a column, its cells are a row of the matrix apart, which for V near a multiple of 1,024 maps
-    them onto a few L1 sets (conflict misses: 2x slower at V = 2,048)."""
+    Each block (rows I, columns J) and its partner (rows J, columns I) are first copied, row segment by row segment,
+    into local buffers: read straight from memory, the partner's columns are a row of the matrix apart, a few lines
+    per row (3x slower at V = 2,048, where the hardware prefetcher does not follow). Within the blocks, each tile's
+    partner is transposed into L1 (in place, cells a row apart would meet conflict misses for V near a multiple of
+    1,024)."""
     channels, size, _ = matrix.shape
-    tiles = (size + _TILE - 1) // _TILE
+    blocks = (size + _BLOCK - 1) // _BLOCK
+    first = np.empty(blocks * (blocks + 1) // 2, np.int64)  # the block pairs (I, J), I <= J
+    second = np.empty_like(first)
+    n = 0
+    for i in range(blocks):
+        for j in range(i, blocks):
+            first[n], second[n] = i, j
+            n += 1
     threads = acc.shape[0]
     for t in numba.prange(threads):
-        back = np.empty((_TILE, _TILE), np.float32)  # [a - r0, b - c0] = P[b, a]
-        for i in range(t, tiles, threads):
-            r0 = i * _TILE
-            r1 = min(r0 + _TILE, size)
-            for j in range(i, tiles):
-                c0 = j * _TILE
-                c1 = min(c0 + _TILE, size)
-                for c in range(channels):
-                    m = matrix[c]
-                    for b in range(c0, c1):
-                        back[: r1 - r0, b - c0] = m[b, r0:r1]
-                    norm = 0.0
-                    gap = 0.0
-                    for a in range(r0, r1):
-                        forth, backward = m[a, c0:c1], back[a - r0]  # row views: these loops vectorise
-                        for k in range(c1 - c0):
-                            x = np.float64(forth[k])
-                            y = np.float64(backward[k])
-                            norm += x * x + y * y
-                            gap += (x - y) * (x - y)
-                    # 2 x y = x² + y² - (x - y)²: a symmetric P gives cross = norm exactly, whatever fast-math's order.
-                    if i == j:  # the tile is its own partner: every cell met twice, every pair once each way
-                        acc[t, 0, c] += 0.5 * (norm - gap)
-                        acc[t, 1, c] += 0.5 * norm
-                    else:  # tile (j, i) pairs the same cells the other way round
-                        acc[t, 0, c] += norm - gap
-                        acc[t, 1, c] += norm
+        forth = np.empty((_BLOCK, _BLOCK), np.float32)  # [a, b] = P[R0 + a, C0 + b]
+        part = np.empty((_BLOCK, _BLOCK), np.float32)  # [b, a] = P[C0 + b, R0 + a]
+        back = np.empty((_TILE, _TILE), np.float32)
+        for p in range(t, n, threads):
+            r0, c0 = first[p] * _BLOCK, second[p] * _BLOCK
+            rows, cols = min(_BLOCK, size - r0), min(_BLOCK, size - c0)
+            for c in range(channels):
+                m = matrix[c]
+                for a in range(rows):
+                    forth[a, :cols] = m[r0 + a, c0 : c0 + cols]
+                for b in range(cols):
+                    part[b, :rows] = m[c0 + b, r0 : r0 + rows]
+                _block_pair(forth, part, rows, cols, r0 == c0, back, acc, t, c)
 
 
 class RowPass(NamedTuple):

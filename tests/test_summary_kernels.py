@@ -149,8 +149,8 @@ def test_summarize_numba_pass_leaves_a_non_finite_p_to_the_torch_functions(monke
         torch.testing.assert_close(fast.heads[name], slow.heads[name], equal_nan=True, msg=name)
 
 
-@pytest.mark.parametrize("size", [1, 63, 64, 65, 130])
-def test_cross_and_norm_sums_equal_float64_sums_across_tile_edges(size):
+@pytest.mark.parametrize("size", [1, 63, 64, 65, 130, 256, 257, 600])
+def test_cross_and_norm_sums_equal_float64_sums_across_tile_and_block_edges(size):
     g = torch.Generator().manual_seed(size)
     matrices = torch.rand(3, size, size, generator=g) * (torch.rand(3, size, size, generator=g) < 0.4)
     cross, norm = summary_kernels.cross_and_norm_sums(matrices)
