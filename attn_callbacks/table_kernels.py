@@ -22,33 +22,44 @@ __all__ = ["lift_candidates", "one_way_candidates", "row_sums", "vector_matrix"]
 
 _BLOCK = 16  # rows per block of the lift pass
 _TILE = 64  # the one-way pass's tiles: a tile's transposed counts and values stay in L1
+_BLOCK_2 = 256  # the one-way pass's blocks: a partner block's values and support (320 KB) stay in L2
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _one_way(matrix, count, min_support, mask):  # pragma: no cover - compiled
-    """``mask[a, b]``: ``C[a, b] >= min_support``, ``C[b, a] >= min_support`` and ``P[a, b] > P[b, a]``, by tiles of
-    ``_TILE`` × ``_TILE`` cells: the transposed tile is copied into L1 first, so that the test itself runs along
-    rows (row views: numba vectorises those loops, not ones indexing ``[a, b]``)."""
+    """``mask[a, b]``: ``C[a, b] >= min_support``, ``C[b, a] >= min_support`` and ``P[a, b] > P[b, a]``, by blocks of
+    ``_BLOCK_2`` × ``_BLOCK_2`` cells, blocks split across threads. The partner block (rows and columns swapped) is
+    first copied into local buffers row segment by row segment (read straight from memory, its columns are a row
+    of the matrix apart: a few cache lines a row, which the hardware prefetcher does not follow); then each tile's
+    partner is transposed into L1, so that the test itself runs along rows (row views: numba vectorises those loops,
+    not ones indexing ``[a, b]``)."""
     size = matrix.shape[0]
-    tiles = (size + _TILE - 1) // _TILE
-    for i in numba.prange(tiles):
-        r0 = i * _TILE
-        r1 = min(size, r0 + _TILE)
-        seen_t = np.empty((_TILE, _TILE), np.bool_)  # [a - r0, b - c0]: C[b, a] >= min_support
-        mass_t = np.empty((_TILE, _TILE), matrix.dtype)  # [a - r0, b - c0]: P[b, a]
-        for j in range(tiles):
-            c0 = j * _TILE
-            c1 = min(size, c0 + _TILE)
-            for b in range(c0, c1):
-                count_row, mass_row = count[b], matrix[b]
-                for a in range(r0, r1):
-                    seen_t[a - r0, b - c0] = count_row[a] >= min_support
-                    mass_t[a - r0, b - c0] = mass_row[a]
-            for a in range(r0, r1):
-                out, count_row, mass_row = mask[a, c0:c1], count[a, c0:c1], matrix[a, c0:c1]
-                seen_back, mass_back = seen_t[a - r0], mass_t[a - r0]
-                for b in range(c1 - c0):
-                    out[b] = (count_row[b] >= min_support) & seen_back[b] & (mass_row[b] > mass_back[b])
+    blocks = (size + _BLOCK_2 - 1) // _BLOCK_2
+    for p in numba.prange(blocks * blocks):
+        r0, c0 = (p // blocks) * _BLOCK_2, (p % blocks) * _BLOCK_2
+        rows, cols = min(_BLOCK_2, size - r0), min(_BLOCK_2, size - c0)
+        seen_p = np.empty((_BLOCK_2, _BLOCK_2), np.bool_)  # [b, a]: C[c0 + b, r0 + a] >= min_support
+        mass_p = np.empty((_BLOCK_2, _BLOCK_2), matrix.dtype)  # [b, a]: P[c0 + b, r0 + a]
+        for b in range(cols):
+            count_row, mass_row = count[c0 + b, r0 : r0 + rows], matrix[c0 + b, r0 : r0 + rows]
+            for a in range(rows):
+                seen_p[b, a] = count_row[a] >= min_support
+                mass_p[b, a] = mass_row[a]
+        seen_t = np.empty((_TILE, _TILE), np.bool_)  # [a - i0, b - j0]: C[c0 + b, r0 + a] >= min_support
+        mass_t = np.empty((_TILE, _TILE), matrix.dtype)  # [a - i0, b - j0]: P[c0 + b, r0 + a]
+        for i0 in range(0, rows, _TILE):
+            i1 = min(rows, i0 + _TILE)
+            for j0 in range(0, cols, _TILE):
+                j1 = min(cols, j0 + _TILE)
+                for b in range(j0, j1):
+                    seen_t[: i1 - i0, b - j0] = seen_p[b, i0:i1]
+                    mass_t[: i1 - i0, b - j0] = mass_p[b, i0:i1]
+                for a in range(i0, i1):
+                    out = mask[r0 + a, c0 + j0 : c0 + j1]
+                    count_row, mass_row = count[r0 + a, c0 + j0 : c0 + j1], matrix[r0 + a, c0 + j0 : c0 + j1]
+                    seen_back, mass_back = seen_t[a - i0], mass_t[a - i0]
+                    for b in range(j1 - j0):
+                        out[b] = (count_row[b] >= min_support) & seen_back[b] & (mass_row[b] > mass_back[b])
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
