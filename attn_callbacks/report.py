@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -26,6 +26,23 @@ __all__ = ["Reporter"]
 
 # TensorBoard run -> tag prefix -> the custom-scalars layout part written there, for every Reporter of the process.
 _LAYOUTS: dict[str, dict[str, Any]] = {}
+
+
+class _Output(NamedTuple):
+    """What one module's tables and images are made of, and where they go."""
+
+    writer: Any
+    name: str
+    layer: str
+    streams: tuple[str, str]
+    stats: AttentionStats
+    mass: Tensor  # mean_h P, (Vq, Vk)
+    sum_mean: Tensor  # mean_h S, (Vq, Vk)
+    reference: Any  # the reference epoch's Snapshot, or None
+    drifts: dict[str, Any]
+    step: int
+    prefix: str
+    suffix: str
 
 
 class Reporter:
@@ -114,16 +131,10 @@ class Reporter:
                     if loaders > 1:
                         views += [(per_loader[(name, k)], False, f"/dataloader_idx_{k}", None) for k in range(loaders)]
                     for view, is_drift, suffix, keep in views:
-                        where = dict(
-                            prefix=prefix,
-                            step=step,
-                            drift=is_drift,
-                            suffix=suffix,
-                            derived=keep,
-                            tables=tables,
-                            draws=draws,
+                        where = dict(prefix=prefix, step=step, drift=is_drift, suffix=suffix, derived=keep)
+                        summary = self.module(
+                            pl_module, writer, name, self.streams.of[name], view, tables=tables, draws=draws, **where
                         )
-                        summary = self.module(pl_module, writer, name, self.streams.of[name], view, **where)
                         if summary is None:
                             continue
                         layer = name or "attention"
@@ -190,12 +201,12 @@ class Reporter:
         streams: tuple[str, str],
         stats: AttentionStats,
         *,
+        tables: list[Callable[[], None]],
+        draws: list[Callable[[], None]],
         prefix: str,
         step: int,
         drift: bool,
         suffix: str = "",
-        tables: list[Callable[[], None]],
-        draws: list[Callable[[], None]],
         derived: dict[str, dict[str, Tensor]] | None = None,
     ) -> ModuleSummary | None:
         """Log one module's scalars, images and tables; return its numbers (None when it saw no query token), whose
@@ -229,10 +240,12 @@ class Reporter:
         log_layer(pl_module, {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()})
         self._warn(name, summary.heads.get("position/entropy_normalized"), stats)
         if writer is not None:
-            maps = (writer, name, layer, streams, stats, mass, sum_mean, reference, summary.drifts)
+            out = _Output(
+                writer, name, layer, streams, stats, mass, sum_mean, reference, summary.drifts, step, prefix, suffix
+            )
             if self.num_pairs:
-                tables.append(partial(self._tables, *maps, step, prefix, suffix))
-            draws.append(partial(self._draw, *maps, step, prefix, suffix))
+                tables.append(partial(self._tables, out))
+            draws.append(partial(self._draw, out))
         return summary
 
     def _warn(self, name: str, entropy_normalized: Tensor | None, stats: AttentionStats) -> None:
@@ -253,21 +266,8 @@ class Reporter:
                 "left out of the sums",
             )
 
-    def _draw(
-        self,
-        writer: Any,
-        name: str,
-        layer: str,
-        streams: tuple[str, str],
-        stats: AttentionStats,
-        mass: Tensor,
-        sum_mean: Tensor,
-        reference: Any,
-        drifts: dict[str, Any],
-        step: int,
-        prefix: str,
-        suffix: str,
-    ) -> None:
+    def _draw(self, out: _Output) -> None:
+        writer, name, layer, streams, stats, mass, sum_mean, reference, _, step, prefix, suffix = out
         query_stream, key_stream = streams
         square = query_stream == key_stream
         label = self.streams.label
@@ -300,21 +300,8 @@ class Reporter:
         for tag, image in images.items():  # encoded by the writer thread while the next are drawn
             self.painter.image(writer, tag + suffix, image, step)
 
-    def _tables(
-        self,
-        writer: Any,
-        name: str,
-        layer: str,
-        streams: tuple[str, str],
-        stats: AttentionStats,
-        mass: Tensor,
-        sum_mean: Tensor,
-        reference: Any,
-        drifts: dict[str, Any],
-        step: int,
-        prefix: str,
-        suffix: str,
-    ) -> None:
+    def _tables(self, out: _Output) -> None:
+        writer, name, layer, streams, stats, mass, sum_mean, reference, drifts, step, prefix, suffix = out
         query_stream, key_stream = streams
         square = query_stream == key_stream
         label = self.streams.label
