@@ -146,7 +146,6 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
                 finite = True
                 top[:] = -np.inf
                 size[:] = 0
-                mean[:] = 0
                 for h in range(heads):
                     total = 0.0
                     plogp = 0.0
@@ -161,7 +160,6 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
                         total += stored
                         plogp += _xlogx(stored)
                         far += stored * abs(i - j)
-                        mean[j] += stored
                     mass[h] = total
                     wlogw[h] = plogp
                     distance[h] = far
@@ -174,6 +172,11 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
                     visible[j] = kv[j] and top[j] > 0
                     num_visible += visible[j]
                 acc[1, 0] += math.log(max(num_visible, 1))
+                if not per_head:  # the sum over heads per key, in the order the per-head sums add up
+                    mean[:] = 0
+                    for h in range(heads):
+                        for j in range(len_k):
+                            mean[j] += np.float64(row[h, j])
                 # Position sums, per head. p = w / s renormalises over the valid keys (row sum s); Σ p log p =
                 # Σ w log w / s - log s, which float64 keeps exact to ~1e-13 even for tiny s (no mass: 0)...
                 for h in range(heads):
