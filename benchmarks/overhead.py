@@ -23,7 +23,8 @@ Printed per workload and configuration (min / median / max over the rounds, each
 floor / none, steady / floor, cold / none, and the steady epoch end in seconds (the monitor's once-per-epoch work:
 summary, images, tables, with the image writer thread waited for); then steady / none, what a user pays in all, and
 batches / none, the steady epoch without its epoch end (on a GPU the epoch end is the CPU's: it does not grow with
-the number of batches).
+the number of batches), and monitor s, the seconds a steady epoch takes over the floor's: the monitor's own work,
+which unlike the ratios does not move with the speed of the model's matrix products.
 Targets (issue "Performance"): steady <= 1.30 × floor, cold <= 1.75 × none, epoch end <= 0.5 s.
 Also peak resident memory of the process.
 """
@@ -133,6 +134,7 @@ def run(
             rows.setdefault("epoch end s", []).append(steady[name].epoch_end)
             rows.setdefault("steady / none", []).append(warm / none)
             rows.setdefault("batches / none", []).append((warm - steady[name].epoch_end) / none)
+            rows.setdefault("monitor s", []).append(warm - floor)
             rows.setdefault("none s", []).append(none)
     return figures
 
