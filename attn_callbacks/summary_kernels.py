@@ -256,8 +256,10 @@ _BLOCK = 256  # 256 × 256 float32 cells (256 KB): a block and its partner stay 
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _block_pair(forth, part, rows, cols, diagonal, back, acc, t, c):  # pragma: no cover - compiled
-    """Add one block and its partner to ``acc[t, :, c]``: ``forth[a, b]`` (``rows × cols``) pairs with ``part[b, a]``.
+def _block_pair(forth, partner, rows, cols, diagonal, back, acc, t, c):  # pragma: no cover - compiled
+    """Add one block and its partner to ``acc[t, :, c]``: ``forth[a, b]`` (``rows × cols``) pairs with
+    ``partner[b, a]`` (the partner block as the matrix holds it: rows and columns swapped); ``back`` receives each
+    tile of the partner transposed.
     A diagonal block is its own partner: only its tiles on and above the diagonal are read (every pair once)."""
     tiles_r = (rows + _TILE - 1) // _TILE
     tiles_c = (cols + _TILE - 1) // _TILE
@@ -268,7 +270,7 @@ def _block_pair(forth, part, rows, cols, diagonal, back, acc, t, c):  # pragma: 
             c0 = j * _TILE
             c1 = min(c0 + _TILE, cols)
             for b in range(c0, c1):  # the partner tile, transposed into L1
-                back[: r1 - r0, b - c0] = part[b, r0:r1]
+                back[: r1 - r0, b - c0] = partner[b, r0:r1]
             norm = 0.0
             gap = 0.0
             for a in range(r0, r1):
@@ -298,7 +300,8 @@ def cross_and_norm(matrix, acc):  # pragma: no cover - compiled
     partner is transposed into L1 (in place, cells a row apart would meet conflict misses for V near a multiple of
     1,024)."""
     channels, size, _ = matrix.shape
-    blocks = (size + _BLOCK - 1) // _BLOCK
+    block = _BLOCK if size > _BLOCK else _TILE  # one block would leave every thread but one idle
+    blocks = (size + block - 1) // block
     first = np.empty(blocks * (blocks + 1) // 2, np.int64)  # the block pairs (I, J), I <= J
     second = np.empty_like(first)
     n = 0
@@ -308,19 +311,19 @@ def cross_and_norm(matrix, acc):  # pragma: no cover - compiled
             n += 1
     threads = acc.shape[0]
     for t in numba.prange(threads):
-        forth = np.empty((_BLOCK, _BLOCK), np.float32)  # [a, b] = P[R0 + a, C0 + b]
-        part = np.empty((_BLOCK, _BLOCK), np.float32)  # [b, a] = P[C0 + b, R0 + a]
+        forth = np.empty((block, block), np.float32)  # [a, b] = P[r0 + a, c0 + b]
+        partner = np.empty((block, block), np.float32)  # [b, a] = P[c0 + b, r0 + a]
         back = np.empty((_TILE, _TILE), np.float32)
         for p in range(t, n, threads):
-            r0, c0 = first[p] * _BLOCK, second[p] * _BLOCK
-            rows, cols = min(_BLOCK, size - r0), min(_BLOCK, size - c0)
+            r0, c0 = first[p] * block, second[p] * block
+            rows, cols = min(block, size - r0), min(block, size - c0)
             for c in range(channels):
                 m = matrix[c]
                 for a in range(rows):
                     forth[a, :cols] = m[r0 + a, c0 : c0 + cols]
                 for b in range(cols):
-                    part[b, :rows] = m[c0 + b, r0 : r0 + rows]
-                _block_pair(forth, part, rows, cols, r0 == c0, back, acc, t, c)
+                    partner[b, :rows] = m[c0 + b, r0 : r0 + rows]
+                _block_pair(forth, partner, rows, cols, r0 == c0, back, acc, t, c)
 
 
 class RowPass(NamedTuple):

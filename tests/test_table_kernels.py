@@ -21,7 +21,7 @@ def _sums(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.float32) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("size, min_support", [(1, 1), (16, 2), (70, 1), (70, 3)])
+@pytest.mark.parametrize("size, min_support", [(1, 1), (16, 2), (70, 1), (70, 3), (300, 2)])
 def test_one_way_candidates_are_the_cells_of_torchs_masks_in_row_major_order(size, min_support, dtype):
     for seed in range(3):
         matrix, _, counts = _sums(max(size, 4), max(size, 4), seed, dtype)
