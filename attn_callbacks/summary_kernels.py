@@ -259,8 +259,8 @@ _BLOCK = 256  # 256 × 256 float32 cells (256 KB): a block and its partner stay 
 def _block_pair(forth, partner, rows, cols, diagonal, back, acc, t, c):  # pragma: no cover - compiled
     """Add one block and its partner to ``acc[t, :, c]``: ``forth[a, b]`` (``rows × cols``) pairs with
     ``partner[b, a]`` (the partner block as the matrix holds it: rows and columns swapped); ``back`` receives each
-    tile of the partner transposed.
-    A diagonal block is its own partner: only its tiles on and above the diagonal are read (every pair once)."""
+    tile of the partner transposed. A diagonal block is its own partner: only its tiles on and above the diagonal are
+    read (every pair once)."""
     tiles_r = (rows + _TILE - 1) // _TILE
     tiles_c = (cols + _TILE - 1) // _TILE
     for i in range(tiles_r):

@@ -22,19 +22,19 @@ __all__ = ["lift_candidates", "one_way_candidates", "row_sums", "vector_matrix"]
 
 _BLOCK = 16  # rows per block of the lift pass
 _TILE = 64  # the one-way pass's tiles: a tile's transposed counts and values stay in L1
-_BLOCK_2 = 256  # the one-way pass's blocks: a partner block's support and float32 values (320 KB) stay in L2
+_ONE_WAY_BLOCK = 256  # the one-way pass's blocks: a partner block's support and float32 values (320 KB) stay in L2
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _one_way(matrix, count, min_support, mask):  # pragma: no cover - compiled
     """``mask[a, b]``: ``C[a, b] >= min_support``, ``C[b, a] >= min_support`` and ``P[a, b] > P[b, a]``, by blocks of
-    ``_BLOCK_2`` × ``_BLOCK_2`` cells (of one tile in a smaller matrix), blocks split across threads. The partner
-    block (rows and columns swapped) is first copied into local buffers row segment by row segment (read straight
-    from memory, its columns are a row of the matrix apart: a few cache lines a row, which the hardware prefetcher
-    does not follow); then each tile's partner is transposed into L1, so that the test itself runs along rows (row
-    views: numba vectorises those loops, not ones indexing ``[a, b]``)."""
+    ``_ONE_WAY_BLOCK`` × ``_ONE_WAY_BLOCK`` cells (of one tile in a smaller matrix), blocks split across threads. The
+    partner block (rows and columns swapped) is first copied into local buffers row segment by row segment (read
+    straight from memory, its columns are a row of the matrix apart: a few cache lines a row, which the hardware
+    prefetcher does not follow); then each tile's partner is transposed into L1, so that the test itself runs along rows
+    (row views: numba vectorises those loops, not ones indexing ``[a, b]``)."""
     size = matrix.shape[0]
-    block = _BLOCK_2 if size > _BLOCK_2 else _TILE  # one block would leave every thread but one idle
+    block = _ONE_WAY_BLOCK if size > _ONE_WAY_BLOCK else _TILE  # one block would leave every thread but one idle
     blocks = (size + block - 1) // block
     for p in numba.prange(blocks * blocks):
         r0, c0 = (p // blocks) * block, (p % blocks) * block

@@ -2,13 +2,12 @@
 
     python benchmarks/scaling.py [--profile]
 
-Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast path the callback runs: the numba
-kernel on CPU, where numba runs; the torch code on a CUDA device, where there is one) on softmax weights with Zipf(1)
-token ids, median of 5 after a warm-up. ``ns/weight``
-divides by the B·H·L² weights read: flat down a column means the cost is linear in B·H·L²; flat across the vocabulary
-block means V only costs memory. A last section times the numba kernel against the torch code
-(:func:`attn_callbacks.kernels.accumulate_attention_torch`, with its pair index) at the base shape, on CPU;
-``--profile`` prints torch.profiler's table of a step (on a GPU: the time of each kernel).
+Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast path the callback runs: the numba kernel
+on CPU, where numba runs; the torch code on a CUDA device, where there is one) on softmax weights with Zipf(1) token
+ids, median of 5 after a warm-up. ``ns/weight`` divides by the B·H·L² weights read: flat down a column means the cost is
+linear in B·H·L²; flat across the vocabulary block means V only costs memory. A last section times the numba kernel
+against the torch code (:func:`attn_callbacks.kernels.accumulate_attention_torch`, with its pair index) at the base
+shape, on CPU; ``--profile`` prints torch.profiler's table of a step (on a GPU: the time of each kernel).
 """
 
 from __future__ import annotations
