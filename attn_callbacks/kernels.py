@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from attn_callbacks.blocks import x_log_x
+from attn_callbacks.cuda_graphs import graphed, graphs_apply
 
 __all__ = [
     "POSITION_STATS",
@@ -133,7 +134,9 @@ def accumulate_attention(
     On CPU (see :func:`uses_numba`) the numba kernel of :mod:`attn_callbacks.numba_kernels` runs: one read of the
     weights, on ``min(numba, torch)`` threads. It reads the key ids, not the pair index: pass ``key_ids`` and
     ``pairs=None`` there (without ``key_ids`` it recovers them from ``pairs``). Elsewhere, or with numba switched off
-    or missing, :func:`accumulate_attention_torch` runs, from ``pairs`` (computed from ``key_ids`` when None).
+    or missing, :func:`accumulate_attention_torch` runs, from ``pairs`` (computed from ``key_ids`` when None). On a
+    GPU, given ``key_ids``, a step whose shapes recur replays it as a CUDA graph (see
+    :mod:`attn_callbacks.cuda_graphs`; ``pairs`` is then not read).
 
     Args:
         sums: ``(H + 1, Vq * Vk + 1)`` float accumulator: ``S`` per head, then ``U``; the last column is discarded.
@@ -173,8 +176,35 @@ def accumulate_attention(
         return kernels.accumulate_attention_numba(
             sums, pair_count, query_count, position_sums, weights, query_ids, key_ids, query_valid, key_valid
         )
+    if key_ids is not None and weights.numel() > 0 and graphs_apply(weights):
+        skipped = graphed(
+            _pairs_and_step,
+            (sums, pair_count, query_count, position_sums),
+            (weights, query_ids, key_ids, query_valid, key_valid),
+        )
+        if skipped is not None:
+            return skipped
     if pairs is None:
         pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, vocab_k)
+    return accumulate_attention_torch(
+        sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid
+    )
+
+
+def _pairs_and_step(
+    sums: Tensor,
+    pair_count: Tensor,
+    query_count: Tensor,
+    position_sums: Tensor,
+    weights: Tensor,
+    query_ids: Tensor,
+    key_ids: Tensor,
+    query_valid: Tensor,
+    key_valid: Tensor,
+) -> Tensor:
+    """The torch step from the ids (the pair index made inside it), as a CUDA graph captures and replays it."""
+    vocab_q = query_count.numel() - 1
+    pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, (pair_count.numel() - 1) // vocab_q)
     return accumulate_attention_torch(
         sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid
     )
@@ -252,13 +282,17 @@ def accumulate_attention_torch(
             torch.mean(w, dim=0, out=source[0])
         torch.div(visible[start:stop], num_visible[start:stop, :, None], out=source[channels])  # U: 1 / #visible
         sums.index_add_(1, flat[start:stop].reshape(-1), source.view(channels + 1, -1))
+        flat_w = w.view(num_heads, size, len_q * len_k)
+        # Σ_ij w |i - j|; on a GPU without cuBLAS: a CUDA graph of this step would hold the address of a per-stream
+        # cuBLAS workspace that torch frees when any graph captured on that stream is destroyed (pytorch#193402).
+        distances = (flat_w * distance).sum(dim=(1, 2)) if w.is_cuda else (flat_w @ distance).sum(dim=1)
         # w is masked: its diagonals hold exactly the kept rows' weights on valid keys i, i - 1 and i + 1.
         part = torch.stack(
             [
                 -weights_plogp(w, w.sum(dim=-1), exact=weights.is_cuda).sum(dim=(1, 2)),  # Σ p log p, p renormalised
                 num_visible[start:stop].log().sum().expand(num_heads),
                 *(w.diagonal(offset, -2, -1).sum(dim=(1, 2)) for offset in (0, -1, 1)),
-                (w.view(num_heads, size, len_q * len_k) @ distance).sum(dim=1),  # Σ_ij w |i - j|
+                distances,
             ]
         )  # (len(POSITION_STATS), H)
         position_sums += part.to(position_sums.dtype)
@@ -276,12 +310,15 @@ def _distance(len_q: int, len_k: int, device: torch.device, dtype: torch.dtype) 
     """``|i - j|`` for every (query, key) position pair, flattened to ``(Lq * Lk,)``: made once per batch shape, not
     once per module, up to :data:`_DISTANCE_CACHE_ELEMENTS` pairs."""
     key = (len_q, len_k, device, dtype)
-    distance = _DISTANCES.get(key)
+    # A CUDA graph being captured keeps its own (in its memory pool): the cache may drop a vector the graph reads.
+    distance = None if device.type == "cuda" and torch.cuda.is_current_stream_capturing() else _DISTANCES.get(key)
     if distance is None:
         with torch.inference_mode(False):
             positions = torch.arange(max(len_q, len_k), device=device)
             distance = (positions[:len_q, None] - positions[None, :len_k]).abs().to(dtype).reshape(-1)
-        if len_q * len_k <= _DISTANCE_CACHE_ELEMENTS:
+        if len_q * len_k <= _DISTANCE_CACHE_ELEMENTS and not (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        ):
             if len(_DISTANCES) >= 4:  # a batch's shapes (self- and cross-attention); lengths that vary start afresh
                 _DISTANCES.clear()
             _DISTANCES[key] = distance

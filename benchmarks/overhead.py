@@ -58,6 +58,7 @@ from _workload import (
 )
 from attn_callbacks import AttentionMonitor
 from attn_callbacks.capture import AttentionCapture, find_attention_modules
+from attn_callbacks.cuda_graphs import graph_status
 
 WARM_UP_EPOCHS = 3
 # name -> (vocabulary, d_model, heads, layers, feed-forward, batch, length, tracked ids)
@@ -165,6 +166,8 @@ def main() -> None:
                 print(f"{model_name:8} {config:24} {figure:16} {summary(values):>24}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak resident memory of the process: {peak:.0f} MiB")
+    if torch.cuda.is_available():
+        print(graph_status())
 
 
 if __name__ == "__main__":

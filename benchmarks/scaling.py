@@ -7,19 +7,24 @@ on CPU, where numba runs; the torch code on a CUDA device, where there is one) o
 ids, median of 5 after a warm-up. ``ns/weight`` divides by the B·H·L² weights read: flat down a column means the cost is
 linear in B·H·L²; flat across the vocabulary block means V only costs memory. A last section times the numba kernel
 against the torch code (:func:`attn_callbacks.kernels.accumulate_attention_torch`, with its pair index) at the base
-shape, on CPU; ``--profile`` prints torch.profiler's table of a step (on a GPU: the time of each kernel).
+shape, on CPU, or on a GPU the step replayed as a CUDA graph against the same step op by op; ``--profile`` prints
+torch.profiler's table of a step (on a GPU: the time of each kernel).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 from _workload import best_of, device_label
 from attn_callbacks import functional as F
+from attn_callbacks.cuda_graphs import GRAPH_SWITCH, graph_status, graphs_apply
 from attn_callbacks.kernels import accumulate_attention_torch, uses_numba
 
 BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
@@ -56,11 +61,12 @@ def make_step(
         if path == "torch":
             pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)  # once per batch, shared by the modules
             accumulate_attention_torch(*state, weights, pairs, ids, valid, valid)
-        elif path == "numba" or uses_numba(weights.device):  # as AttentionAccumulator.update: no pair index
+        elif path == "numba" or uses_numba(weights.device) or graphs_apply(weights):
+            # as EpochSums.add: the numba kernel and a CUDA graph of the step read the ids, not a pair index
             F.accumulate_attention(*state, weights, None, ids, valid, valid, key_ids=ids)
         else:
             pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)
-            F.accumulate_attention(*state, weights, pairs, ids, valid, valid)
+            F.accumulate_attention(*state, weights, pairs, ids, valid, valid, key_ids=ids)
 
     return step
 
@@ -107,6 +113,33 @@ def compare_paths() -> None:
             print(f"{distribution:8} {sums:9} {ms['numba']:8.1f} {ms['torch']:8.1f} {ms['torch'] / ms['numba']:11.1f}x")
 
 
+def compare_graphs(steps: int = 20, rounds: int = 5) -> None:
+    """On a GPU: the step replayed as a CUDA graph against the same step op by op, at the base shape and BERT-base's,
+    interleaved round by round. ``wall`` waits for the device after each step (the step's latency); ``host`` is the
+    time the Python thread spends issuing a step when it does not wait: what a model's own launches wait for."""
+    shapes = {"base": (BASE["H"], BASE["V"], False), "bert-base": (12, 1025, False), "bert-base mean": (12, 1025, True)}
+    print(f"\nCUDA graph vs op by op, B={BASE['B']} L={BASE['L']}, ms per step, median of {rounds} rounds")
+    print(f"{'shape':15} {'wall graph':>11} {'host graph':>11} {'wall ops':>9} {'host ops':>9}")
+    for name, (heads, vocab, mean_of_heads) in shapes.items():
+        ms: dict[str, list[float]] = {}
+        for _ in range(rounds):
+            for mode in ("graph", "ops"):
+                os.environ[GRAPH_SWITCH] = "1" if mode == "graph" else "0"
+                step = make_step(BASE["B"], BASE["L"], heads, vocab, mean_of_heads)
+                step()
+                ms.setdefault(f"wall {mode}", []).append(best_of(step) * 1e3)  # its warm-up captures the graph
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                ms.setdefault(f"host {mode}", []).append((time.perf_counter() - start) / steps * 1e3)
+                torch.cuda.synchronize()
+        os.environ.pop(GRAPH_SWITCH)
+        row = " ".join(f"{statistics.median(ms[k]):{len(k) + 1}.3f}" for k in ms)
+        print(f"{name:15} {row}")
+    print(graph_status())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one step")
@@ -137,6 +170,8 @@ def main() -> None:
     )
     if DEVICE == "cpu":
         compare_paths()
+    else:
+        compare_graphs()
     if args.profile:
         profile_step()
 
