@@ -95,9 +95,10 @@ class Streams:
         self.batch: Any = None  # the batch being read, while one runs
         self._ids: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # this batch's ids per stream
         self._tables: dict[str, Tensor] = {}  # stream -> id -> compact index, on the device
+        self._ignored: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # ignore_ids on a device
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "batch": None, "_ids": {}, "_tables": {}}  # per-batch and device caches
+        return {**self.__dict__, "batch": None, "_ids": {}, "_tables": {}, "_ignored": {}}  # per-batch, device caches
 
     def _tracked_tensor(self, stream: str, ids: list[int]) -> Tensor:
         bad = [i for i in ids if not 0 <= i < self.vocab[stream]]
@@ -166,7 +167,12 @@ class Streams:
         """Positions whose id is not in ``ignore_ids``."""
         if not self.ignore_ids:
             return torch.ones_like(ids, dtype=torch.bool)
-        return ~torch.isin(ids, torch.tensor(self.ignore_ids, device=ids.device, dtype=ids.dtype))
+        ignored = self._ignored.get((ids.device, ids.dtype))
+        if ignored is None:  # made once: a copy from a Python list to a GPU waits for the device to finish its work
+            with torch.inference_mode(False):  # usable in and out of inference mode
+                ignored = torch.tensor(self.ignore_ids, device=ids.device, dtype=ids.dtype)
+            self._ignored[(ids.device, ids.dtype)] = ignored
+        return ~torch.isin(ids, ignored)
 
     def start_batch(self, batch: Any) -> None:
         self.batch = batch
