@@ -33,6 +33,23 @@ def test_one_way_candidates_are_the_cells_of_torchs_masks_in_row_major_order(siz
     assert size == 1 or len(expected[0]) > 0
 
 
+@pytest.mark.parametrize("layout", ["bottom-right slice", "transposed", "strided columns"])
+def test_one_way_candidates_of_any_layout_equal_those_of_a_contiguous_copy(layout):
+    """Slices whose rows are read in place from the parent (up to the end of its storage), and layouts copied."""
+    matrix, _, counts = _sums(300, 300, 7)
+    parent_m, parent_c = matrix._base, counts._base
+    views = {
+        "bottom-right slice": lambda t: t[-260:, -260:],
+        "transposed": lambda t: t[:260, :260].T,
+        "strided columns": lambda t: t[:150, :300:2],
+    }[layout]
+    m, c = views(parent_m), views(parent_c)
+    got = table_kernels.one_way_candidates(m, c, 2)
+    want = table_kernels.one_way_candidates(m.contiguous(), c.contiguous(), 2)
+    assert not m.is_contiguous() and len(want[0]) > 0
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows, cols, min_support", [(1, 1, 1), (33, 20, 2), (20, 70, 1), (70, 70, 4)])
 def test_lift_candidates_are_the_supported_cells_with_a_finite_lift_and_equal_lifts(rows, cols, min_support, dtype):
