@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from attn_callbacks.config import format_bytes
-from attn_callbacks.cuda_graphs import graphs_apply
+from attn_callbacks.cuda_graphs import forget_dead, graphs_apply
 from attn_callbacks.kernels import POSITION_STATS, accumulate_attention, pair_index, uses_numba
 from attn_callbacks.summary import attention_mass, mean_weight
 from attn_callbacks.summed_metric import SummedMetric
@@ -400,6 +400,7 @@ class EpochSums:
         for metric in self.metrics.values():
             metric.reset()
         self._pairs.clear()
+        forget_dead()  # the graphs of sums that are gone (a finished monitor's), with their memory
 
 
 def _distributed() -> bool:

@@ -283,9 +283,12 @@ def accumulate_attention_torch(
         torch.div(visible[start:stop], num_visible[start:stop, :, None], out=source[channels])  # U: 1 / #visible
         sums.index_add_(1, flat[start:stop].reshape(-1), source.view(channels + 1, -1))
         flat_w = w.view(num_heads, size, len_q * len_k)
-        # Σ_ij w |i - j|; on a GPU without cuBLAS: a CUDA graph of this step would hold the address of a per-stream
-        # cuBLAS workspace that torch frees when any graph captured on that stream is destroyed (pytorch#193402).
-        distances = (flat_w * distance).sum(dim=(1, 2)) if w.is_cuda else (flat_w @ distance).sum(dim=1)
+        # Σ_ij w |i - j|; in a CUDA graph without cuBLAS: the graph would hold the address of a per-stream cuBLAS
+        # workspace that torch frees when any graph captured on that stream is destroyed (pytorch#193402).
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            distances = (flat_w * distance).sum(dim=(1, 2))
+        else:
+            distances = (flat_w @ distance).sum(dim=1)
         # w is masked: its diagonals hold exactly the kept rows' weights on valid keys i, i - 1 and i + 1.
         part = torch.stack(
             [

@@ -26,29 +26,36 @@ def test_graphs_do_not_apply_on_the_cpu():
 
 
 @cuda
-def test_graphed_steps_equal_op_by_op_steps_across_shapes_and_resets(monkeypatch):
-    """Replays (captured at a shape's second batch) give the eager sums: two shapes interleaved, a reset between
-    epochs (the state zeroed in place, so the graphs still write it), dropped rows counted alike."""
+def test_graphed_steps_equal_op_by_op_steps_across_shapes_states_and_resets(monkeypatch):
+    """Replays (captured at a shape's second batch) give the eager sums: two modules' states updated in turn (their
+    graphs share the static inputs and the scratch pool), two shapes interleaved, a reset between epochs (the state
+    zeroed in place, so the graphs still write it), dropped rows counted alike."""
     heads, vocab = 4, 40
-    metrics = {mode: AttentionAccumulator(heads, vocab, vocab).cuda() for mode in ("graphs", "eager")}
+    modes = ("graphs", "eager")
+    metrics = {mode: [AttentionAccumulator(heads, vocab, vocab).cuda() for _ in range(2)] for mode in modes}
     g = torch.Generator().manual_seed(0)
     batches = [_batch(g, 6, heads, length, vocab) for length in (16, 16, 16, 9, 16, 9, 9)]
     results = {}
-    for mode, metric in metrics.items():
+    for mode, pair in metrics.items():
         monkeypatch.setenv(cuda_graphs.GRAPH_SWITCH, "1" if mode == "graphs" else "0")
         per_epoch = []
         for epoch in range(2):
             for w, ids, valid in batches[epoch * 2 :]:
                 w, ids, valid = w.cuda(), ids.cuda(), valid.cuda()
-                metric.update(w, ids, ids, valid, valid)
-            per_epoch.append({f: getattr(metric.stats(), f).clone() for f in SUM_FIELDS})
-            metric.reset()
+                for k, metric in enumerate(pair):  # the second module sees other weights over the same ids
+                    metric.update(w.roll(k, dims=-1), ids, ids, valid, valid)
+            per_epoch.append([{f: getattr(m.stats(), f).clone() for f in SUM_FIELDS} for m in pair])
+            for metric in pair:
+                metric.reset()
         results[mode] = per_epoch
-    assert _graphs_writing(metrics["graphs"]) == 2 and _graphs_writing(metrics["eager"]) == 0  # lengths 16 and 9
+    assert [_graphs_writing(m) for m in metrics["graphs"]] == [2, 2]  # lengths 16 and 9
+    assert [_graphs_writing(m) for m in metrics["eager"]] == [0, 0]
     for graphed, eager in zip(results["graphs"], results["eager"], strict=True):
-        assert int(eager["skipped_rows"]) > 0
-        for field in SUM_FIELDS:
-            torch.testing.assert_close(graphed[field], eager[field], rtol=1e-5, atol=1e-6, msg=field)
+        assert int(eager[0]["skipped_rows"]) > 0
+        assert not torch.equal(eager[0]["attention_sum"], eager[1]["attention_sum"])
+        for k in range(2):
+            for field in SUM_FIELDS:
+                torch.testing.assert_close(graphed[k][field], eager[k][field], rtol=1e-5, atol=1e-6, msg=field)
 
 
 def _graphs_writing(metric: AttentionAccumulator) -> int:
@@ -58,30 +65,46 @@ def _graphs_writing(metric: AttentionAccumulator) -> int:
 
 @cuda
 def test_a_graph_never_writes_a_new_state_at_a_freed_one_s_address():
+    """A state freed and its memory handed out again: the graph made for the old state is not replayed into the new
+    one, which is captured anew once seen twice (into a fresh pool: the only graph's is gone with it)."""
+
+    def step(total, x):
+        total += x.sum()
+        return x.sum()
+
+    x = torch.ones(8, device="cuda")
+    first = torch.zeros(4, device="cuda")
+    returned = [cuda_graphs.graphed(step, (first,), (x,)) for _ in range(3)]
+    assert returned[0] is None and [float(r) for r in returned[1:]] == [8.0, 8.0]  # eager (the caller's), 2 replays
+    assert first.tolist() == [16.0] * 4
+    address = first.data_ptr()
+    del first
+    candidates = [torch.zeros(4, device="cuda") for _ in range(256)]  # the allocator hands blocks out by address
+    second = next(t for t in candidates if t.data_ptr() == address)
+    assert cuda_graphs.graphed(step, (second,), (x,)) is None and second.tolist() == [0.0] * 4
+    assert float(cuda_graphs.graphed(step, (second,), (x,))) == 8.0 and second.tolist() == [8.0] * 4
+    assert cuda_graphs._CACHE.failure is None
+
+
+def _sums_of(metric: AttentionAccumulator) -> dict:
+    return {field: getattr(metric.stats(), field).cpu() for field in SUM_FIELDS}
+
+
+@cuda
+def test_an_accumulator_replaying_graphs_adds_each_batch_once():
     heads, vocab = 2, 30
     g = torch.Generator().manual_seed(1)
     w, ids, valid = _batch(g, 4, heads, 12, vocab)
     once = AttentionAccumulator(heads, vocab, vocab)
     once.update(w, ids, ids, valid, valid)
     w, ids, valid = w.cuda(), ids.cuda(), valid.cuda()
-    first = AttentionAccumulator(heads, vocab, vocab).cuda()
+    metric = AttentionAccumulator(heads, vocab, vocab).cuda()
     for _ in range(3):
-        first.update(w, ids, ids, valid, valid)  # the second and third replay a graph
-    assert _graphs_writing(first) == 1
-    assert torch.equal(first.stats().query_count.cpu(), 3 * once.stats().query_count)
-    torch.testing.assert_close(first.stats().attention_sum.cpu(), 3 * once.stats().attention_sum)
-    del first
-    second = AttentionAccumulator(heads, vocab, vocab).cuda()  # often at the same address
-    second.update(w, ids, ids, valid, valid)
-    assert _graphs_writing(second) == 0
-    for field in SUM_FIELDS:
-        torch.testing.assert_close(
-            getattr(second.stats(), field).cpu(), getattr(once.stats(), field), rtol=1e-5, atol=1e-6, msg=field
-        )
-    # Captured again once every earlier graph is gone (a pool whose graphs all died cannot be shared).
-    second.update(w, ids, ids, valid, valid)
-    assert _graphs_writing(second) == 1 and cuda_graphs._CACHE.failure is None
-    torch.testing.assert_close(second.stats().attention_sum.cpu(), 2 * once.stats().attention_sum)
+        metric.update(w, ids, ids, valid, valid)  # the second and third replay a graph
+    assert _graphs_writing(metric) == 1
+    got, want = _sums_of(metric), _sums_of(once)
+    assert torch.equal(got["query_count"], 3 * want["query_count"])
+    torch.testing.assert_close(got["attention_sum"], 3 * want["attention_sum"])
 
 
 @cuda
@@ -108,6 +131,14 @@ def test_a_step_that_cannot_be_captured_warns_and_runs_op_by_op():
         step(total, x)
         torch.cuda.synchronize()
         assert float(total) == 9.0, float(total)
+        # The allocator is left sound: cached memory is freed, and a capture of another graph works.
+        torch.cuda.empty_cache()
+        graph, y = torch.cuda.CUDAGraph(), torch.zeros(3, device="cuda")
+        with torch.cuda.graph(graph):
+            y += x * 2
+        graph.replay()
+        graph.replay()
+        assert y.tolist() == [4.0, 4.0, 4.0], y.tolist()
         print("ok")
         """
     )
