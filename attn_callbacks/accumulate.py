@@ -4,7 +4,7 @@ and the per-batch dispatch of weights to them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
@@ -31,7 +31,8 @@ class AttentionStats:
     callback never needs ``M``).
 
     Attributes:
-        attention_sum: ``S``, ``(H, Vq, Vk)`` float32.
+        attention_sum: ``S``, ``(H, Vq, Vk)`` float32; None in the callback's epoch end once ``P`` was computed in
+            its memory (``S`` is not needed again, and ``Q * P`` gives it back).
         pair_count: ``C``, ``(Vq, Vk)`` int64.
         query_count: ``Q``, ``(Vq,)`` int64.
         skipped_rows: number of valid query rows dropped because their weights were not finite, or all zero
@@ -42,7 +43,7 @@ class AttentionStats:
             :func:`attn_callbacks.functional.position_statistics`).
     """
 
-    attention_sum: Tensor
+    attention_sum: Tensor | None
     pair_count: Tensor
     query_count: Tensor
     skipped_rows: Tensor
@@ -77,10 +78,10 @@ class AttentionAccumulator(SummedMetric):
     """Running vocabulary × vocabulary attention sums for one attention module.
 
     States (all ``dist_reduce_fx="sum"``, so DDP ranks add up), packed for the fast path of
-    :func:`attn_callbacks.functional.accumulate_attention`: ``sums (H + 1, Vq * Vk + 1)`` holds ``S`` per head and the
-    uniform baseline ``U``, ``pair_count (Vq * Vk + 1,)`` and ``query_count (Vq + 1,)``, each with one discard cell
-    where ignored positions go; plus ``skipped_rows`` and ``position_sums (len(POSITION_STATS), H)``. Updates never
-    sync with the host. Division happens only in :meth:`compute`, which returns the usual shapes.
+    :func:`attn_callbacks.functional.accumulate_attention`: ``sums (H + 1, Vq * Vk)`` holds ``S`` per head and the
+    uniform baseline ``U``, ``pair_count (Vq * Vk,)`` and ``query_count (Vq,)``; plus ``skipped_rows`` and
+    ``position_sums (len(POSITION_STATS), H)``. Updates never sync with the host. Division happens only in
+    :meth:`compute`, which returns the usual shapes.
 
     Args:
         num_heads: number of attention heads ``H``.
@@ -131,11 +132,11 @@ class AttentionAccumulator(SummedMetric):
         num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool
     ) -> list[tuple[str, tuple[tuple[int, ...], torch.dtype]]]:
         """Every state's shape and dtype: the one definition that allocation and :meth:`state_bytes` share."""
-        plane = query_vocab_size * key_vocab_size + 1  # the vocabulary plane plus the discard cell
+        plane = query_vocab_size * key_vocab_size
         return [
             ("sums", (((1 if mean_of_heads else num_heads) + 1, plane), torch.float32)),
             ("pair_count", ((plane,), torch.long)),
-            ("query_count", ((query_vocab_size + 1,), torch.long)),
+            ("query_count", ((query_vocab_size,), torch.long)),
             ("skipped_rows", ((), torch.long)),
             # float32 like the other sums: float64 states would not move to MPS devices.
             ("position_sums", ((len(POSITION_STATS), num_heads), torch.float32)),
@@ -143,7 +144,7 @@ class AttentionAccumulator(SummedMetric):
 
     @staticmethod
     def state_bytes(num_heads: int, query_vocab_size: int, key_vocab_size: int, mean_of_heads: bool = False) -> int:
-        """Bytes of state one accumulator holds: ``(H + 1) · (Vq · Vk + 1) · 4 + (Vq · Vk + 1) · 8 + (Vq + 1) · 8``
+        """Bytes of state one accumulator holds: ``(H + 1) · Vq · Vk · 4 + Vq · Vk · 8 + Vq · 8``
         plus a few scalars (float32 sums, int64 counts); ``H`` counts as 1 with ``mean_of_heads``."""
         shapes = AttentionAccumulator._state_shapes(num_heads, query_vocab_size, key_vocab_size, mean_of_heads)
         return sum(math.prod(shape) * dtype.itemsize for _, (shape, dtype) in shapes)
@@ -170,6 +171,8 @@ class AttentionAccumulator(SummedMetric):
                 "AttentionAccumulator.update: the state holds every process's sums (stats(in_place=True)); adding to "
                 "it would count them again. reset() first"
             )
+        if not self.allocated:
+            raise RuntimeError("AttentionAccumulator.update: the sums' memory was released; allocate() first")
         skipped = accumulate_attention(
             self.sums,
             self.pair_count,
@@ -185,7 +188,7 @@ class AttentionAccumulator(SummedMetric):
         self.skipped_rows += skipped
 
     def compute(self) -> AttentionStats:
-        """The (process-summed) sums and counts in their usual shapes (discard cells dropped); ``P = S / Q`` and
+        """The (process-summed) sums and counts in their usual shapes; ``P = S / Q`` and
         ``M = S / C`` per head are derived on access. torchmetrics returns a copy; see :meth:`stats` for views."""
         return self._unpack()
 
@@ -224,11 +227,11 @@ class AttentionAccumulator(SummedMetric):
 
     def _unpack(self) -> AttentionStats:
         heads, vocab_q, vocab_k = self.sums.shape[0] - 1, self.query_vocab_size, self.key_vocab_size
-        plane = self.sums[:, : vocab_q * vocab_k].view(heads + 1, vocab_q, vocab_k)  # (channels + 1, Vq, Vk)
+        plane = self.sums.view(heads + 1, vocab_q, vocab_k)  # (channels + 1, Vq, Vk)
         return AttentionStats(
             attention_sum=plane[:heads],
-            pair_count=self.pair_count[: vocab_q * vocab_k].view(vocab_q, vocab_k),
-            query_count=self.query_count[:vocab_q],
+            pair_count=self.pair_count.view(vocab_q, vocab_k),
+            query_count=self.query_count,
             skipped_rows=self.skipped_rows,
             uniform_sum=plane[heads],
             position_sums=self.position_sums,
@@ -303,6 +306,7 @@ class EpochSums:
                         metric = self._accumulator(shape)
                         self.metrics[(name, idx)] = metric
                     metric.to(devices[name])
+                    metric.allocate()  # memory released at the last epoch's end (see reset)
                     if metric.update_count or metric.summed_in_place:  # an interrupted epoch's; else zero
                         metric.reset()
         for key in [key for key in self.metrics if key[1] >= loaders]:  # fewer loaders than last time
@@ -396,8 +400,15 @@ class EpochSums:
         }
         return per_loader, merged
 
-    def reset(self) -> None:
-        for metric in self.metrics.values():
+    def reset(self, recycle: Callable[[str, Tensor], Tensor | None] | None = None) -> None:
+        """Zero the sums for the next epoch. ``recycle(module, sums)`` gives the memory for a module's next packed
+        sums: ``sums`` itself, or another buffer of its shape when something else now keeps ``sums`` (drift memory
+        keeps the ``P`` computed where ``S`` lay), both zeroed here; or None for fresh memory at the next
+        :meth:`start`."""
+        for (name, _), metric in self.metrics.items():
+            buffer = metric.sums if recycle is None else recycle(name, metric.sums)
+            if buffer is not metric.sums:
+                metric.release("sums", buffer)
             metric.reset()
         self._pairs.clear()
         forget_dead()  # the graphs of sums that are gone (a finished monitor's), with their memory

@@ -333,10 +333,10 @@ class AttentionMonitor(Callback):
                     "nothing is logged for it.",
                 )
         else:
+            if drift_epoch and self.export is not None:  # first: the epoch end computes P where S lies
+                export_epoch(trainer, merged, self._streams, self.export, self.export_dir)
             derived = self._report.epoch(trainer, per_loader, merged, self._stage_prefix, drift_epoch)
             if drift_epoch:
-                if self.export is not None:
-                    export_epoch(trainer, merged, self._streams, self.export, self.export_dir)
                 masses = {name: (s.attention_mass, s.query_count, derived.get(name, {})) for name, s in merged.items()}
                 self._drift.remember(trainer.current_epoch, masses)
         self._reset_sums()
@@ -434,7 +434,7 @@ class AttentionMonitor(Callback):
         return silent
 
     def _reset_sums(self) -> None:
-        self._sums.reset()
+        self._sums.reset(recycle=self._drift.state_buffer)
         self._probe.weights.clear()
 
     def _release(self) -> None:

@@ -217,9 +217,10 @@ class DriftMemory:
         self.previous_epoch: int | None = None
         self.reference_epoch: int | None = None
         self._warned = False
-        # Per module, the P of a snapshot that no longer serves and that nothing else holds: where the next epoch's P
-        # goes. A fresh tensor of hundreds of MB costs its page faults on every epoch (measured 10x the division
-        # itself); the peak memory is the same, as the current, previous and reference P coexist anyway.
+        # Per module, the P of a snapshot that no longer serves and that nothing else holds: its memory serves again,
+        # as the next epoch's sums (P is computed where S lay, in the packed state; see state_buffer) or as the CPU
+        # copy of a P on another device. A fresh tensor of hundreds of MB costs its page faults on every epoch
+        # (measured 10x the division itself).
         self._spare: dict[str, Tensor] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -250,13 +251,31 @@ class DriftMemory:
             return None
         return self._spare.pop(name)
 
+    def state_buffer(self, name: str, sums: Tensor) -> Tensor | None:
+        """The memory for a module's next epoch of packed sums, given ``sums``, the packed state that held this
+        epoch's: ``sums`` itself unless a snapshot keeps that memory (its ``P`` was computed where ``S`` lay); then
+        the packed state that a retired snapshot's ``P`` was computed in, when there is one that fits; else None."""
+        held = {_memory(m[n]["attention_mass"]) for m in (self.previous, self.reference) for n in m}
+        if sums.numel() == 0 or _memory(sums) not in held:
+            return sums
+        spare = self._spare.get(name)
+        if spare is None or (spare.dtype, spare.device) != (sums.dtype, sums.device):
+            return None
+        memory = spare.untyped_storage()  # a P computed in place lies at the start of its packed state's memory
+        if spare.storage_offset() != 0 or memory.nbytes() != sums.numel() * sums.element_size():
+            return None
+        del self._spare[name]
+        with torch.inference_mode(False):  # a normal tensor: the next epoch adds to it in and out of inference mode
+            return torch.empty(0, dtype=sums.dtype, device=sums.device).set_(memory, 0, sums.shape)
+
     def remember(self, epoch: int, masses: Mapping[str, tuple[Tensor, Tensor, Mapping[str, Tensor]]]) -> None:
         """Keep this epoch as the previous one, and as the reference when it is the reference epoch.
 
         Args:
             epoch: the training epoch.
             masses: module -> (``P`` per head, ``Q``, what the epoch end already derived of them: ``row_plogp``,
-                ``mean_mass``); ``P`` is kept as it is on the CPU (it is a tensor of its own), ``Q`` is copied.
+                ``mean_mass``); ``P`` is kept as it is on the CPU (a tensor of its own, or a view of the module's
+                packed sums, which the caller then lets go: see :meth:`state_buffer`), ``Q`` is copied.
         """
         snapshot = {}
         for name, (mass, count, derived) in masses.items():
@@ -289,14 +308,15 @@ class DriftMemory:
         held = {"attention_mass": stand_in}  # as a snapshot holds its P
         ours = sys.getrefcount(stand_in)
         del held
-        in_use = {m[name]["attention_mass"].untyped_storage().data_ptr() for m in live for name in m}
+        in_use = {_memory(m[name]["attention_mass"]) for m in live for name in m}
         for name, memory in retired.items():
             mass = memory["attention_mass"]
-            if mass.untyped_storage().data_ptr() not in in_use and sys.getrefcount(mass) <= ours:
+            if _memory(mass) not in in_use and sys.getrefcount(mass) <= ours:
                 self._spare[name] = mass
 
     def state_dict(self) -> dict[str, Any]:
-        """Snapshots without what is derived again (``mean_mass``): checkpoints stay ``1 / H`` smaller."""
+        """Snapshots without what is derived again (``mean_mass``), each tensor alone in its memory: checkpoints stay
+        ``1 / H`` smaller."""
         return {
             "previous_epoch": self.previous_epoch,
             "reference_epoch": self.reference_epoch,
@@ -308,6 +328,11 @@ class DriftMemory:
         self.previous_epoch, self.reference_epoch = state["previous_epoch"], state["reference_epoch"]
         self.previous, self.reference = state["previous"], state["reference"]
         self._spare.clear()
+
+
+def _memory(tensor: Tensor) -> tuple[torch.device, int]:
+    """Where a tensor's memory lies (a GPU address may equal a host one)."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
 
 
 def _complete(memory: dict[str, Tensor] | None) -> Snapshot | None:
@@ -323,4 +348,10 @@ def _complete(memory: dict[str, Tensor] | None) -> Snapshot | None:
 
 
 def _checkpointed(snapshots: dict[str, dict[str, Tensor]]) -> dict[str, dict[str, Tensor]]:
-    return {name: {k: v for k, v in memory.items() if k != "mean_mass"} for name, memory in snapshots.items()}
+    return {name: {k: _alone(v) for k, v in memory.items() if k != "mean_mass"} for name, memory in snapshots.items()}
+
+
+def _alone(tensor: Tensor) -> Tensor:
+    """``tensor``, or a copy of it where it is a view of more memory (a ``P`` computed in the packed state, beside
+    ``U``): a checkpoint holds the whole memory of every tensor it saves."""
+    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size() else tensor

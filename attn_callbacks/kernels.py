@@ -43,9 +43,10 @@ def pair_index(
 ) -> Tensor:
     """Flat index ``a * Vk + b`` of the (query id, key id) pair at every (query, key) position pair.
 
-    Pairs holding an ignored query or key position point at the *discard cell* ``Vq * Vk``, one past the vocabulary
-    plane, so the fast path scatters them without masking the weights first. The index depends on the token ids only:
-    compute it once per batch and share it between modules that read the same streams.
+    Pairs holding an ignored query or key position point at cell 0: the torch path scatters them with the rest, and
+    what it adds there for them is exactly 0 (their weights, counts and baseline share are masked to 0). The index
+    depends on the token ids only: compute it once per batch and share it between modules that read the same
+    streams.
 
     Args:
         query_ids: ``(B, Lq)`` integer ids in ``[0, Vq)`` at valid positions (anything elsewhere).
@@ -56,15 +57,15 @@ def pair_index(
         key_vocab_size: ``Vk``.
 
     Returns:
-        ``(B, Lq, Lk)`` int64 in ``[0, Vq * Vk]``.
+        ``(B, Lq, Lk)`` int64 in ``[0, Vq * Vk)``.
 
     Example:
         >>> ids, valid = torch.tensor([[1, 2]]), torch.tensor([[True, False]])
         >>> pair_index(ids, ids, valid, valid, 3, 3).tolist()
-        [[[4, 9], [9, 9]]]
+        [[[4, 0], [0, 0]]]
     """
     flat = query_ids.long()[:, :, None] * key_vocab_size + key_ids.long()[:, None, :]  # (B, Lq, Lk)
-    return torch.where(query_valid[:, :, None] & key_valid[:, None, :], flat, query_vocab_size * key_vocab_size)
+    return torch.where(query_valid[:, :, None] & key_valid[:, None, :], flat, 0)
 
 
 #: Set to ``0`` to run the torch code on CPU too, instead of the numba kernel (read at every call).
@@ -127,9 +128,9 @@ def accumulate_attention(
 
     Computes exactly what :func:`accumulate_attention_reference` computes (``S``, ``U``, ``C``, ``Q`` and the position
     sums; a valid query row with a non-finite weight in any head, or with no positive weight at all, is dropped and
-    counted), on a packed layout: ``sums[:H]`` is ``S`` and ``sums[H]`` is ``U``, each a flat ``Vq * Vk`` plane plus
-    the discard cell, so one index (from :func:`pair_index`, shared by every module reading the same streams) serves
-    every head, ``U`` and ``C``, and ignored pairs need no masking pass.
+    counted), on a packed layout: ``sums[:H]`` is ``S`` and ``sums[H]`` is ``U``, each a flat ``Vq * Vk`` plane, so
+    one index (from :func:`pair_index`, shared by every module reading the same streams) serves every head, ``U`` and
+    ``C``; every plane is contiguous, so ``S`` can be divided into ``P`` where it lies.
 
     On CPU (see :func:`uses_numba`) the numba kernel of :mod:`attn_callbacks.numba_kernels` runs: one read of the
     weights, on ``min(numba, torch)`` threads. It reads the key ids, not the pair index: pass ``key_ids`` and
@@ -139,10 +140,10 @@ def accumulate_attention(
     :mod:`attn_callbacks.cuda_graphs`; ``pairs`` is then not read).
 
     Args:
-        sums: ``(H + 1, Vq * Vk + 1)`` float accumulator: ``S`` per head, then ``U``; the last column is discarded.
-            With 2 rows it holds ``mean_h S[h]`` instead of every head (a head-averaged state, ``H`` times smaller).
-        pair_count: ``(Vq * Vk + 1,)`` integer accumulator ``C`` plus the discard cell.
-        query_count: ``(Vq + 1,)`` integer accumulator ``Q`` plus a discard cell.
+        sums: ``(H + 1, Vq * Vk)`` float accumulator: ``S`` per head, then ``U``. With 2 rows it holds
+            ``mean_h S[h]`` instead of every head (a head-averaged state, ``H`` times smaller).
+        pair_count: ``(Vq * Vk,)`` integer accumulator ``C``.
+        query_count: ``(Vq,)`` integer accumulator ``Q``.
         position_sums: ``(len(POSITION_STATS), H)`` float accumulator.
         weights: ``(B, H, Lq, Lk)`` per-head attention weights.
         pairs: ``(B, Lq, Lk)`` from :func:`pair_index`, or None with ``key_ids``.
@@ -156,12 +157,13 @@ def accumulate_attention(
 
     Raises:
         ValueError: ``pairs`` and ``key_ids`` both None; or on the numba path, an id out of range at a valid position
-            (the torch path raises an IndexError from ``index_add_``, or adds an id just past ``Vk`` to the next row).
+            (the torch path raises an IndexError from ``index_add_``, or adds a key id just past ``Vk`` to the next
+            row).
     """
     if pairs is None and key_ids is None:
         raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
-    vocab_q = query_count.numel() - 1
-    vocab_k = (pair_count.numel() - 1) // max(vocab_q, 1)
+    vocab_q = query_count.numel()
+    vocab_k = pair_count.numel() // max(vocab_q, 1)
     if (
         weights.numel() > 0  # an empty batch: nothing to gain, and the torch path's edge cases hold
         and sums.dtype in (torch.float32, torch.float64)
@@ -203,8 +205,8 @@ def _pairs_and_step(
     key_valid: Tensor,
 ) -> Tensor:
     """The torch step from the ids (the pair index made inside it), as a CUDA graph captures and replays it."""
-    vocab_q = query_count.numel() - 1
-    pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, (pair_count.numel() - 1) // vocab_q)
+    vocab_q = query_count.numel()
+    pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, pair_count.numel() // vocab_q)
     return accumulate_attention_torch(
         sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid
     )
@@ -248,11 +250,11 @@ def accumulate_attention_torch(
     usable = finite & positive.any(dim=-1)
     rows = query_valid & usable
     skipped = (query_valid & ~usable).sum()
-    discard = query_count.numel() - 1
-    query_count.index_add_(0, torch.where(rows, query_ids.long(), discard).reshape(-1), rows.reshape(-1).long())
+    # Dropped and ignored rows add 0, at id 0 (ignored positions may hold any id: -100 for padding, say).
+    query_count.index_add_(0, torch.where(rows, query_ids.long(), 0).reshape(-1), rows.reshape(-1).long())
     kept = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
     flat = pairs.reshape(batch, len_q * len_k)
-    # Pairs of ignored positions already point at the discard cell; C must also skip the pairs of dropped rows.
+    # Pairs of ignored positions point at cell 0, and like the pairs of dropped rows, add 0 to C, S and U.
     pair_count.index_add_(0, flat.reshape(-1), kept.reshape(-1).to(pair_count.dtype))
 
     visible = positive & kept  # (B, Lq, Lk)

@@ -114,7 +114,7 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
     batch, heads, len_q, len_k = weights.shape
     channels = sums.shape[0] - 1
     per_head = channels == heads
-    key_vocab = (sums.shape[1] - 1) // (query_count.shape[0] - 1)
+    key_vocab = sums.shape[1] // query_count.shape[0]
     owner = _deal_ids(query_ids, query_valid, query_count.shape[0], threads)
     # Per thread, in float64: Σ p log p, max entropy (column 0), self, previous, next, distance; and dropped rows.
     partial = np.zeros((threads, 6, heads))
@@ -282,11 +282,11 @@ def accumulate_attention_numba(
     channels = sums.shape[0] - 1
     if channels not in (num_heads, 1):
         raise ValueError(f"Expected `sums` to have H + 1 = {num_heads + 1} or 2 rows, but got {sums.shape[0]}")
-    vocab_q = query_count.numel() - 1
-    vocab_k = (sums.shape[1] - 1) // max(vocab_q, 1)
-    if vocab_q < 1 or sums.shape[1] != vocab_q * vocab_k + 1 or pair_count.numel() != sums.shape[1]:
+    vocab_q = query_count.numel()
+    vocab_k = sums.shape[1] // max(vocab_q, 1)
+    if vocab_q < 1 or vocab_k < 1 or sums.shape[1] != vocab_q * vocab_k or pair_count.numel() != sums.shape[1]:
         raise ValueError(
-            f"Expected `sums` (..., Vq * Vk + 1), `pair_count` (Vq * Vk + 1,) and `query_count` (Vq + 1,), but got "
+            f"Expected `sums` (..., Vq * Vk), `pair_count` (Vq * Vk,) and `query_count` (Vq,), but got "
             f"{tuple(sums.shape)}, {tuple(pair_count.shape)} and {tuple(query_count.shape)}"
         )
     for name, tensor, shape in (

@@ -109,8 +109,7 @@ class Reporter:
         """Log every module's epoch: combined over dataloaders, and per dataloader (``/dataloader_idx_{k}``) when
         there are several. On a drift epoch, returns what drift memory keeps of the derived numbers, per module."""
         writer = self.tensorboard(trainer)
-        if drift:
-            self._reuse_spare_memory(merged)
+        _masses_in_place(merged)
         loaders = 1 + max(idx for _, idx in per_loader)
         derived: dict[str, dict[str, Tensor]] = {}
         heads: dict[tuple[str, str], Tensor] = {}  # every module's per-head scalars, logged in one call
@@ -183,16 +182,6 @@ class Reporter:
             layouts[prefix] = layout
             merged = {category: charts for part in layouts.values() for category, charts in part.items()}
             self.painter.submit(lambda: add_layout(writer, merged, step))
-
-    def _reuse_spare_memory(self, merged: dict[str, AttentionStats]) -> None:
-        """Compute each module's ``P`` into the memory of a retired drift snapshot, where there is one. Only on the
-        CPU: for ``P`` on another device, drift memory copies it into the spare instead."""
-        for name, stats in merged.items():
-            sums = stats.attention_sum
-            on_cpu = sums.device.type == "cpu"
-            spare = self.drift.take_spare(name, sums.shape, sums.dtype, sums.device) if on_cpu else None
-            if spare is not None:
-                stats.attention_mass = attention_mass(sums, stats.query_count, out=spare)  # the cached property
 
     def module(
         self,
@@ -338,6 +327,18 @@ class Reporter:
             q_labels = self.streams.batch_label(q_ids[q_pos].tolist(), streams[0])
             samples.append((q_pos, k_pos, q_labels, self.streams.batch_label(k_ids[k_pos].tolist(), streams[1])))
         return self.images.probe_maps(f"{prefix}_probe/{layer}", layer, weights, samples)
+
+
+def _masses_in_place(merged: dict[str, AttentionStats]) -> None:
+    """Each module's ``P = S / Q`` computed where ``S`` lies, which leaves ``attention_sum`` None: nothing after this
+    needs ``S`` (``Q * P`` gives it back), and no second matrix of the state's size is written (on the CPU, drift
+    memory then keeps that memory as the snapshot, and the state takes a retired one's: see
+    :meth:`attn_callbacks.drift.DriftMemory.state_buffer`)."""
+    for stats in merged.values():
+        sums = stats.attention_sum
+        if sums is not None:
+            stats.attention_mass = attention_mass(sums, stats.query_count, out=sums)  # the cached property
+            stats.attention_sum = None
 
 
 def _run_of(writer: Any) -> str:

@@ -36,6 +36,7 @@ class SummedMetric(Metric):
         super().__init__(**kwargs)
         self._summed_in_place = False
         self._sum_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._released: set[str] = set()  # states whose memory went elsewhere, empty until allocate()
 
     def add_sum(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Register a sum state of zeros. torchmetrics keeps (and deep-copies, and moves with ``.to()``) a copy of
@@ -97,17 +98,47 @@ class SummedMetric(Metric):
                     setattr(self, name, value)
             raise
 
+    def release(self, name: str, buffer: Tensor | None = None) -> None:
+        """Let the memory of sum state ``name`` go to something else that keeps it (drift memory keeps the ``P``
+        computed where ``S`` lay). The state becomes ``buffer`` (memory of its shape and dtype, zeroed at the next
+        :meth:`reset`) or, without one, stays empty until :meth:`allocate`: a fresh allocation then falls in the
+        next epoch, not at the end of this one."""
+        current = getattr(self, name)
+        if buffer is None:
+            with torch.inference_mode(False):
+                buffer = torch.empty(0, dtype=current.dtype, device=current.device)
+            self._released.add(name)
+        else:
+            self._released.discard(name)
+        setattr(self, name, buffer)
+
+    def allocate(self) -> None:
+        """Zeroed memory for the states released without a buffer; nothing for the others."""
+        with torch.inference_mode(False):
+            for name in self._released:
+                shape, _ = self._sum_shapes[name]
+                current = getattr(self, name)
+                setattr(self, name, torch.zeros(shape, dtype=current.dtype, device=current.device))
+        self._released.clear()
+
+    @property
+    def allocated(self) -> bool:
+        """Whether every state holds its memory (see :meth:`release`)."""
+        return not self._released
+
     def reset(self) -> None:
         """Zero the sums in place (no new allocation, no fresh pages to fault in: a large vocabulary's state is
         hundreds of MB). States replaced by an inference tensor or a new shape are allocated anew, as normal tensors
-        even when called inside inference mode."""
+        even when called inside inference mode; released ones stay empty until :meth:`allocate`."""
         with torch.inference_mode(False):
             current: dict[str, Tensor] = {name: getattr(self, name) for name in self._sum_shapes}
             super().reset()  # torchmetrics' counters and caches; the states become the empty defaults
             self._summed_in_place = False
             for name, (shape, _) in self._sum_shapes.items():
                 tensor = current[name]
-                if tuple(tensor.shape) == shape and not tensor.is_inference():
+                if name in self._released:
+                    setattr(self, name, tensor)
+                elif tuple(tensor.shape) == shape and not tensor.is_inference():
                     setattr(self, name, tensor.zero_())
                 else:
                     setattr(self, name, torch.zeros(shape, dtype=tensor.dtype, device=tensor.device))

@@ -51,9 +51,9 @@ def make_step(
     ids = torch.multinomial(probs, batch * length, replacement=True, generator=g).view(batch, length).to(DEVICE)
     valid = torch.ones(batch, length, dtype=torch.bool, device=DEVICE)
     channels = 1 if mean_of_heads else heads
-    sums = torch.zeros(channels + 1, vocab * vocab + 1, device=DEVICE)
-    pair_count = torch.zeros(vocab * vocab + 1, dtype=torch.long, device=DEVICE)
-    query_count = torch.zeros(vocab + 1, dtype=torch.long, device=DEVICE)
+    sums = torch.zeros(channels + 1, vocab * vocab, device=DEVICE)
+    pair_count = torch.zeros(vocab * vocab, dtype=torch.long, device=DEVICE)
+    query_count = torch.zeros(vocab, dtype=torch.long, device=DEVICE)
     position_sums = torch.zeros(len(F.POSITION_STATS), heads, device=DEVICE)
     state = (sums, pair_count, query_count, position_sums)
 

@@ -180,6 +180,31 @@ def spying(obj, method, spy):
         delattr(obj, method)
 
 
+@contextlib.contextmanager
+def returned(obj, method, spy):
+    """Within the block, every ``obj.method(...)`` hands its result to ``spy(result)`` before returning it."""
+    original = getattr(obj, method)
+
+    def wrapper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        spy(result)
+        return result
+
+    setattr(obj, method, wrapper)
+    try:
+        yield
+    finally:
+        delattr(obj, method)
+
+
+def copied(stats):
+    """An AttentionStats of copies of every raw sum (the epoch end divides ``S`` into ``P`` in place, and the sums
+    are zeroed or handed on when it ends)."""
+    from attn_callbacks.accumulate import SUM_FIELDS, AttentionStats
+
+    return AttentionStats(*(getattr(stats, field).to("cpu", copy=True) for field in SUM_FIELDS))
+
+
 # Cases and loops shared by test_kernels.py and test_summary.py.
 def naive_accumulate(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
     """float64 Python-loop reference of S, C, Q."""

@@ -11,7 +11,16 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from _reference import ACCELERATOR, SAME_SUMS, accumulate_attention_reference, add_loop_sums, naive_js, spying
+from _reference import (
+    ACCELERATOR,
+    SAME_SUMS,
+    accumulate_attention_reference,
+    add_loop_sums,
+    copied,
+    naive_js,
+    returned,
+    spying,
+)
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -22,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, load_epoch
-from attn_callbacks.accumulate import SUM_FIELDS, AttentionStats
+from attn_callbacks.accumulate import SUM_FIELDS
 from attn_callbacks.functional import attention_mass
 from attn_callbacks.streams import most_frequent_ids
 
@@ -161,11 +170,10 @@ class Recorder(AttentionMonitor):
     def on_validation_epoch_end(self, trainer, pl_module):
         self.last = getattr(self, "last", {})
 
-        def keep(pl_module, writer, name, streams, stats, **kwargs):
-            # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
-            self.last[name] = AttentionStats(*(getattr(stats, field).to("cpu", copy=True) for field in SUM_FIELDS))
+        def keep(result):
+            self.last.update({name: copied(stats) for name, stats in result[1].items()})
 
-        with spying(self._report, "module", keep):
+        with returned(self._sums, "collect", keep):
             super().on_validation_epoch_end(trainer, pl_module)
 
 
@@ -860,12 +868,13 @@ class LoaderRecorder(AttentionMonitor):
     def on_validation_epoch_end(self, trainer, pl_module):
         self.views = getattr(self, "views", {})
 
-        def keep(pl_module, writer, name, streams, stats, suffix="", **kwargs):
-            self.views[(name, suffix)] = AttentionStats(
-                *(getattr(stats, field).to("cpu", copy=True) for field in SUM_FIELDS)
-            )
+        def keep(result):
+            per_loader, merged = result
+            self.views.update({(name, ""): copied(stats) for name, stats in merged.items()})
+            if len(per_loader) > len(merged):
+                self.views.update({(name, f"/dataloader_idx_{k}"): copied(s) for (name, k), s in per_loader.items()})
 
-        with spying(self._report, "module", keep):
+        with returned(self._sums, "collect", keep):
             super().on_validation_epoch_end(trainer, pl_module)
 
 
@@ -919,8 +928,10 @@ def test_callback_memory_stays_flat_across_batches_and_epochs(tmp_path):
     )
     # Drift memory fills up over the first two epochs (reference, then a distinct previous); then nothing grows.
     assert len(monitor.counts) == 5 and len(set(monitor.counts[2:])) == 1, monitor.counts
+    # Between epochs, sums whose memory drift memory took (P computed where S lay) wait for the next epoch's start.
     assert len(monitor._sums.metrics) == 2 and all(
-        m.sums.device.type == ("cpu" if ACCELERATOR == "cpu" else "cuda") and m.sums.shape == (3, VOCAB * VOCAB + 1)
+        m.sums.device.type == ("cpu" if ACCELERATOR == "cpu" else "cuda")
+        and m.sums.shape == ((3, VOCAB * VOCAB) if m.allocated else (0,))
         for m in monitor._sums.metrics.values()
     )
 
@@ -1052,9 +1063,9 @@ def test_callback_memory_budget_refuses_before_any_allocation_with_the_figure_an
     for knob in ("max_tracked_tokens", "per_head=False", "`modules`"):
         assert knob in str(info.value)
     assert monitor._sums.metrics == {}
-    # per module: (H + 1) · (V² + 1) · 4 + (V² + 1) · 8 + (V + 1) · 8 + 8 + 6 · H · 4 bytes; 2 modules
+    # per module: (H + 1) · V² · 4 + V² · 8 + V · 8 + 8 + 6 · H · 4 bytes; 2 modules
     small = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], memory_budget="1KiB")
-    per_module = 3 * 145 * 4 + 145 * 8 + 13 * 8 + 8 + 6 * 2 * 4
+    per_module = 3 * 144 * 4 + 144 * 8 + 12 * 8 + 8 + 6 * 2 * 4
     model = TinyEncoder()
     with pytest.raises(MisconfigurationException, match=f"would hold {2 * per_module / 1024:.1f} KiB"):
         trainer(tmp_path, [small], max_epochs=1).fit(model, *loaders())
@@ -1260,7 +1271,9 @@ def test_callback_interrupted_wait_for_the_writer_thread_stops_it_and_drops_what
 
 
 @pytest.mark.parametrize("per_head", [True, False])
-def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_path, per_head):
+def test_callback_reuses_a_retired_snapshot_for_the_sums_but_never_one_still_held(tmp_path, per_head):
+    """P is computed where S lay; drift memory keeps it, and the sums take a retired snapshot's memory."""
+
     class Recorder(AttentionMonitor):
         def on_validation_epoch_end(self, trainer, pl_module):
             super().on_validation_epoch_end(trainer, pl_module)
@@ -1273,8 +1286,10 @@ def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_p
             reference = self._drift.reference["encoder.layers.0.self_attn"]["attention_mass"]
             assert torch.equal(reference, self.seen[0][1])  # the reference epoch's P is never overwritten
             if trainer.current_epoch == 2:
-                self.held = self.state_dict()  # a state dict kept by someone: its tensors must stay as they are
-                self.held_copy = copy.deepcopy(self.held)
+                self.held, self.held_copy = mass, mass.clone()  # kept by someone: its memory must never serve again
+                # A checkpoint holds P alone, not the packed sums (U beside it) that it was computed in.
+                saved = self.state_dict()["previous"]["encoder.layers.0.self_attn"]["attention_mass"]
+                assert torch.equal(saved, mass) and saved.untyped_storage().nbytes() == saved.nbytes
 
     monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD], per_head=per_head, log_sanity_check=True)
     train, val = loaders()
@@ -1282,11 +1297,10 @@ def test_callback_reuses_a_retired_snapshot_for_p_but_never_one_still_held(tmp_p
         TinyEncoder(), train, val
     )
     pointers = [pointer for pointer, _ in monitor.seen]
-    # Epoch 1's P retires at epoch 2 and holds epoch 3's; epoch 2's is held by the kept state dict: never reused.
+    # Epoch 1's P retires at epoch 2: its memory holds epoch 3's sums, then P. Epoch 2's is held: never reused.
     assert pointers[3] == pointers[1] and pointers[2] not in pointers[3:]
     assert len(set(pointers[:3])) == 3
-    for name, memory in monitor.held["previous"].items():
-        assert torch.equal(memory["attention_mass"], monitor.held_copy["previous"][name]["attention_mass"]), name
+    assert torch.equal(monitor.held, monitor.held_copy)
     # Each epoch's P, as the next epoch's drift read it, is what that epoch computed: the final previous snapshot
     # equals a fresh S / Q of the last epoch's sums.
     last = monitor._drift.previous["encoder.layers.0.self_attn"]["attention_mass"]

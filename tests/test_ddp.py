@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from _reference import spying
+from _reference import copied, returned
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, load_epoch
-from attn_callbacks.accumulate import SUM_FIELDS, AttentionStats
 
 VOCAB, PAD, MUTE, LENGTH, DIM = 10, 0, 1, 6, 8  # MUTE: never a key for the model's `mix` attention
 EPOCHS, WORLD, VAL_BATCH, TRAIN_BATCH = 2, 2, 2, 2  # TRAIN_BATCH per rank; the single process takes WORLD times more
@@ -156,11 +155,10 @@ class Checked(AttentionMonitor):
         super().on_validation_epoch_start(trainer, pl_module)
 
     def on_validation_epoch_end(self, trainer, pl_module):
-        def keep(pl_module, writer, name, streams, stats, **kwargs):
-            # A copy: the stats are views of the sums, which are zeroed in place when the epoch ends.
-            self.seen[name] = AttentionStats(*(getattr(stats, field).clone() for field in SUM_FIELDS))
+        def keep(result):
+            self.seen.update({name: copied(stats) for name, stats in result[1].items()})
 
-        with spying(self._report, "module", keep):
+        with returned(self._sums, "collect", keep):
             super().on_validation_epoch_end(trainer, pl_module)
         epoch, rank = trainer.current_epoch, trainer.global_rank
         stats = {name: {field: getattr(s, field).detach().cpu() for field in FIELDS} for name, s in self.seen.items()}

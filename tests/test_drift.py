@@ -190,3 +190,37 @@ def test_drift_memory_drops_a_reference_of_another_shape_and_keeps_the_previous_
     previous, reference = memory.snapshots("enc", torch.Size((2, 4, 4)))
     assert previous is not None and previous.attention_mass.shape == (2, 4, 4) and reference is None
     assert memory.snapshots("enc", torch.Size((2, 4, 3))) == (None, None)
+
+
+def test_drift_memory_hands_the_sums_the_memory_of_the_packed_state_a_retired_p_was_computed_in():
+    """P computed where S lay (a view of the packed sums, U beside it): while a snapshot keeps it, the sums need other
+    memory; that of a retired snapshot's packed state, once there is one, else fresh memory (None)."""
+    from attn_callbacks.drift import DriftMemory
+
+    heads, vocab = 2, 3
+    memory, count, states, views = DriftMemory(), torch.ones(vocab, dtype=torch.long), [], []
+    for epoch in range(4):
+        sums = torch.rand(heads + 1, vocab * vocab)  # S per head, then U
+        mass = sums[:heads].view(heads, vocab, vocab)  # P where S lay
+        assert memory.state_buffer("enc", sums) is sums  # nothing keeps it yet
+        memory.remember(epoch, {"enc": (mass, count, {})})
+        states.append(sums)
+        views.append(mass.clone())
+        buffer = memory.state_buffer("enc", sums)
+        if epoch < 2:  # epoch 0 is the reference, epoch 1 the previous: nothing retired yet
+            assert buffer is None
+        else:  # the previous epoch's packed state, retired: the same memory, as a normal (H + 1, V²) tensor
+            assert buffer.shape == sums.shape and buffer.data_ptr() == states[epoch - 1].data_ptr()
+            assert not buffer.is_inference()
+    reference = memory.reference["enc"]["attention_mass"]
+    assert torch.equal(reference, views[0]) and reference.data_ptr() == states[0].data_ptr()
+    # A checkpoint holds each P alone, not the packed state (U beside it) it lies in.
+    saved = memory.state_dict()["previous"]["enc"]["attention_mass"]
+    assert torch.equal(saved, views[-1]) and saved.untyped_storage().nbytes() == saved.nbytes
+    # A retired P of its own (a GPU run's copy, a resumed checkpoint's) lies in no packed state: fresh memory then.
+    other = DriftMemory()
+    other.remember(0, {"enc": (torch.rand(heads, vocab, vocab), count, {})})
+    other.remember(1, {"enc": (torch.rand(heads, vocab, vocab), count, {})})
+    sums = torch.rand(heads + 1, vocab * vocab)
+    other.remember(2, {"enc": (sums[:heads].view(heads, vocab, vocab), count, {})})
+    assert "enc" in other._spare and other.state_buffer("enc", sums) is None

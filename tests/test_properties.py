@@ -207,18 +207,18 @@ def accumulate_fast(state, batch: Batch):
     """The fast path on its packed layout, unpacked and added into the same state as the reference path's."""
     heads, vocab_q, vocab_k = state["S"].shape
     plane = vocab_q * vocab_k
-    sums = torch.zeros(heads + 1, plane + 1, dtype=state["S"].dtype)
-    C, Q = torch.zeros(plane + 1, dtype=torch.long), torch.zeros(vocab_q + 1, dtype=torch.long)
+    sums = torch.zeros(heads + 1, plane, dtype=state["S"].dtype)
+    C, Q = torch.zeros(plane, dtype=torch.long), torch.zeros(vocab_q, dtype=torch.long)
     P = torch.zeros_like(state["P"])
     pairs = F.pair_index(batch.query_ids, batch.key_ids, batch.query_valid, batch.key_valid, vocab_q, vocab_k)
     skipped = F.accumulate_attention(
         sums, C, Q, P, batch.weights, pairs, batch.query_ids, batch.query_valid, batch.key_valid
     )
     assert skipped.dtype == torch.int64 and skipped.dim() == 0
-    state["S"] += sums[:heads, :plane].view(heads, vocab_q, vocab_k)
-    state["U"] += sums[heads, :plane].view(vocab_q, vocab_k)
-    state["C"] += C[:plane].view(vocab_q, vocab_k)
-    state["Q"] += Q[:vocab_q]
+    state["S"] += sums[:heads].view(heads, vocab_q, vocab_k)
+    state["U"] += sums[heads].view(vocab_q, vocab_k)
+    state["C"] += C.view(vocab_q, vocab_k)
+    state["Q"] += Q
     state["P"] += P
     state["skipped"] += int(skipped)
     return state
