@@ -255,18 +255,19 @@ class DriftMemory:
         """The memory for a module's next epoch of packed sums, given ``sums``, the packed state that held this
         epoch's: ``sums`` itself unless a snapshot keeps that memory (its ``P`` was computed where ``S`` lay); then
         the packed state that a retired snapshot's ``P`` was computed in, when there is one that fits; else None."""
+        spare = self._spare.get(name)
+        packed = spare is not None and _lies_at_start(spare, sums)
+        if spare is not None and not packed and sums.device.type == "cpu":
+            # A P of its own (several dataloaders', a resumed checkpoint's): on the CPU nothing would write into it.
+            del self._spare[name]
         held = {_memory(m[n]["attention_mass"]) for m in (self.previous, self.reference) for n in m}
         if sums.numel() == 0 or _memory(sums) not in held:
             return sums
-        spare = self._spare.get(name)
-        if spare is None or (spare.dtype, spare.device) != (sums.dtype, sums.device):
-            return None
-        memory = spare.untyped_storage()  # a P computed in place lies at the start of its packed state's memory
-        if spare.storage_offset() != 0 or memory.nbytes() != sums.numel() * sums.element_size():
+        if not packed:
             return None
         del self._spare[name]
         with torch.inference_mode(False):  # a normal tensor: the next epoch adds to it in and out of inference mode
-            return torch.empty(0, dtype=sums.dtype, device=sums.device).set_(memory, 0, sums.shape)
+            return torch.empty(0, dtype=sums.dtype, device=sums.device).set_(spare.untyped_storage(), 0, sums.shape)
 
     def remember(self, epoch: int, masses: Mapping[str, tuple[Tensor, Tensor, Mapping[str, Tensor]]]) -> None:
         """Keep this epoch as the previous one, and as the reference when it is the reference epoch.
@@ -317,11 +318,12 @@ class DriftMemory:
     def state_dict(self) -> dict[str, Any]:
         """Snapshots without what is derived again (``mean_mass``), each tensor alone in its memory: checkpoints stay
         ``1 / H`` smaller."""
+        copies: dict[tuple, Tensor] = {}  # one copy of a P that is both previous and reference
         return {
             "previous_epoch": self.previous_epoch,
             "reference_epoch": self.reference_epoch,
-            "previous": _checkpointed(self.previous),
-            "reference": _checkpointed(self.reference),
+            "previous": _checkpointed(self.previous, copies),
+            "reference": _checkpointed(self.reference, copies),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -333,6 +335,17 @@ class DriftMemory:
 def _memory(tensor: Tensor) -> tuple[torch.device, int]:
     """Where a tensor's memory lies (a GPU address may equal a host one)."""
     return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _lies_at_start(mass: Tensor, sums: Tensor) -> bool:
+    """Whether ``mass`` is a ``P`` computed in place in a packed state of ``sums``' size: at the start of memory of
+    exactly that many bytes, with its dtype and device."""
+    memory = mass.untyped_storage()
+    return (
+        (mass.dtype, mass.device) == (sums.dtype, sums.device)
+        and mass.storage_offset() == 0
+        and memory.nbytes() == sums.numel() * sums.element_size()
+    )
 
 
 def _complete(memory: dict[str, Tensor] | None) -> Snapshot | None:
@@ -347,11 +360,17 @@ def _complete(memory: dict[str, Tensor] | None) -> Snapshot | None:
     return Snapshot(memory["attention_mass"], memory["query_count"], memory["row_plogp"], memory["mean_mass"])
 
 
-def _checkpointed(snapshots: dict[str, dict[str, Tensor]]) -> dict[str, dict[str, Tensor]]:
-    return {name: {k: _alone(v) for k, v in memory.items() if k != "mean_mass"} for name, memory in snapshots.items()}
+def _checkpointed(snapshots: dict[str, dict[str, Tensor]], copies: dict[tuple, Tensor]) -> dict[str, dict[str, Tensor]]:
+    kept = {name: {k: v for k, v in part.items() if k != "mean_mass"} for name, part in snapshots.items()}
+    return {name: {k: _alone(v, copies) for k, v in part.items()} for name, part in kept.items()}
 
 
-def _alone(tensor: Tensor) -> Tensor:
+def _alone(tensor: Tensor, copies: dict[tuple, Tensor]) -> Tensor:
     """``tensor``, or a copy of it where it is a view of more memory (a ``P`` computed in the packed state, beside
-    ``U``): a checkpoint holds the whole memory of every tensor it saves."""
-    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size() else tensor
+    ``U``: a checkpoint holds the whole memory of every tensor it saves), made once per memory in ``copies``."""
+    if tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size():
+        return tensor
+    key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape))
+    if key not in copies:
+        copies[key] = tensor.clone()
+    return copies[key]

@@ -1276,12 +1276,24 @@ def test_callback_reuses_a_retired_snapshot_for_the_sums_but_never_one_still_hel
 
     class Recorder(AttentionMonitor):
         def on_validation_epoch_end(self, trainer, pl_module):
-            super().on_validation_epoch_end(trainer, pl_module)
+            epoch_sums = {}
+
+            def keep(result):
+                epoch_sums.update({name: copied(stats) for name, stats in result[1].items()})
+
+            with returned(self._sums, "collect", keep):
+                super().on_validation_epoch_end(trainer, pl_module)
+            # The sums wait zeroed for the next epoch, in the memory of a retired snapshot or their own, or empty.
+            assert all(not m.allocated or not m.sums.any() for m in self._sums.metrics.values())
             if trainer.sanity_checking:  # monitored, but never a drift epoch: no snapshot, no spare used
                 assert not self._drift.previous and not self._drift._spare
                 return
             self.seen = getattr(self, "seen", [])
             mass = self._drift.previous["encoder.layers.0.self_attn"]["attention_mass"]
+            # Drift memory holds exactly S / Q of this epoch's sums, also in memory that held an earlier epoch's.
+            for name, stats in epoch_sums.items():
+                want = attention_mass(stats.attention_sum, stats.query_count)
+                assert torch.equal(self._drift.previous[name]["attention_mass"], want), (trainer.current_epoch, name)
             self.seen.append((mass.data_ptr(), mass.clone()))
             reference = self._drift.reference["encoder.layers.0.self_attn"]["attention_mass"]
             assert torch.equal(reference, self.seen[0][1])  # the reference epoch's P is never overwritten
@@ -1301,10 +1313,7 @@ def test_callback_reuses_a_retired_snapshot_for_the_sums_but_never_one_still_hel
     assert pointers[3] == pointers[1] and pointers[2] not in pointers[3:]
     assert len(set(pointers[:3])) == 3
     assert torch.equal(monitor.held, monitor.held_copy)
-    # Each epoch's P, as the next epoch's drift read it, is what that epoch computed: the final previous snapshot
-    # equals a fresh S / Q of the last epoch's sums.
-    last = monitor._drift.previous["encoder.layers.0.self_attn"]["attention_mass"]
-    assert torch.equal(last, monitor.seen[-1][1])
+    assert len(pointers) == 6 and pointers[5] == pointers[3]  # the memory of epochs 1, 3 and 5 in turn
 
 
 def test_callback_drift_table_lists_the_most_moved_tokens_with_their_loop_js_against_both_epochs(tmp_path):

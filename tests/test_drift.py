@@ -192,6 +192,11 @@ def test_drift_memory_drops_a_reference_of_another_shape_and_keeps_the_previous_
     assert memory.snapshots("enc", torch.Size((2, 4, 3))) == (None, None)
 
 
+def views_of(sums: torch.Tensor, heads: int = 2, vocab: int = 3) -> torch.Tensor:
+    """P where S lay in packed sums ``(H + 1, V²)``."""
+    return sums[:heads].view(heads, vocab, vocab)
+
+
 def test_drift_memory_hands_the_sums_the_memory_of_the_packed_state_a_retired_p_was_computed_in():
     """P computed where S lay (a view of the packed sums, U beside it): while a snapshot keeps it, the sums need other
     memory; that of a retired snapshot's packed state, once there is one, else fresh memory (None)."""
@@ -213,6 +218,11 @@ def test_drift_memory_hands_the_sums_the_memory_of_the_packed_state_a_retired_p_
             assert buffer.shape == sums.shape and buffer.data_ptr() == states[epoch - 1].data_ptr()
             assert not buffer.is_inference()
     reference = memory.reference["enc"]["attention_mass"]
+    alone = DriftMemory()
+    alone.remember(0, {"enc": (views_of(states[0]), count, {})})
+    state = alone.state_dict()  # the first epoch is both previous and reference: one copy, P alone in it
+    saved = state["previous"]["enc"]["attention_mass"]
+    assert saved is state["reference"]["enc"]["attention_mass"] and saved.untyped_storage().nbytes() == saved.nbytes
     assert torch.equal(reference, views[0]) and reference.data_ptr() == states[0].data_ptr()
     # A checkpoint holds each P alone, not the packed state (U beside it) it lies in.
     saved = memory.state_dict()["previous"]["enc"]["attention_mass"]

@@ -50,6 +50,22 @@ def test_defaults_kept_empty_and_reset_zeroes_in_place():
     assert metric.total is state and float(state.sum()) == 0 and int(metric.seen) == 0 and metric.total.shape == (2, 3)
 
 
+def test_released_memory_goes_elsewhere_and_comes_back_zeroed():
+    metric = Counts()
+    metric.update(torch.ones(2, 3))
+    kept = metric.total
+    metric.release("total")  # someone else keeps that memory now: the state waits, empty, for allocate()
+    metric.reset()
+    assert not metric.allocated and metric.total.numel() == 0 and float(kept.sum()) == 6  # not zeroed: not ours
+    metric.allocate()
+    assert metric.allocated and metric.total.shape == (2, 3) and not metric.total.any()
+    assert metric.total.data_ptr() != kept.data_ptr()
+    other = torch.full((2, 3), 7.0)
+    metric.release("total", other)  # memory of the right shape given instead: the state's from the next reset on
+    metric.reset()
+    assert metric.allocated and metric.total is other and not other.any() and float(kept.sum()) == 6
+
+
 def test_compute_goes_through_shape_result():
     metric = Counts()
     metric.update(torch.full((2, 3), 2.0))
