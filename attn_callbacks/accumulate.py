@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from attn_callbacks.config import format_bytes
-from attn_callbacks.cuda_graphs import forget_dead, graphs_apply
+from attn_callbacks.cuda_graphs import forget_dead
 from attn_callbacks.kernels import POSITION_STATS, accumulate_attention, pair_index, uses_numba
 from attn_callbacks.summary import attention_mass, mean_weight
 from attn_callbacks.summed_metric import SummedMetric
@@ -357,9 +357,10 @@ class EpochSums:
         self._calls.add(name)
         metric = self.metrics[(name, dataloader_idx)]
         # The pair index depends on the ids only: one per batch for all modules reading the same streams. The numba
-        # kernel and a CUDA graph of the step read the ids themselves and need none.
+        # kernel reads the ids themselves and needs none; a CUDA graph of the step makes its own, and where no graph
+        # replays (a first batch, lengths that vary) the shared one serves.
         pairs = None
-        if not uses_numba(weights.device) and not graphs_apply(weights):
+        if not uses_numba(weights.device):
             where = (*streams, None) if rows is None else (*streams, rows.start, rows.stop)
             pairs = self._pairs.get(where)
             if pairs is None or pairs.device != weights.device:

@@ -24,7 +24,7 @@ import torch
 
 from _workload import best_of, device_label
 from attn_callbacks import functional as F
-from attn_callbacks.cuda_graphs import GRAPH_SWITCH, graph_status, graphs_apply
+from attn_callbacks.cuda_graphs import GRAPH_SWITCH, graph_status
 from attn_callbacks.kernels import accumulate_attention_torch, uses_numba
 
 BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
@@ -61,10 +61,9 @@ def make_step(
         if path == "torch":
             pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)  # once per batch, shared by the modules
             accumulate_attention_torch(*state, weights, pairs, ids, valid, valid)
-        elif path == "numba" or uses_numba(weights.device) or graphs_apply(weights):
-            # as EpochSums.add: the numba kernel and a CUDA graph of the step read the ids, not a pair index
+        elif path == "numba" or uses_numba(weights.device):  # as EpochSums.add: the numba kernel reads the ids
             F.accumulate_attention(*state, weights, None, ids, valid, valid, key_ids=ids)
-        else:
+        else:  # a CUDA graph of the step makes its own pair index; op by op, the step takes this one
             pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)
             F.accumulate_attention(*state, weights, pairs, ids, valid, valid, key_ids=ids)
 
