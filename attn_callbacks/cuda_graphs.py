@@ -181,24 +181,27 @@ def _capture(
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
-    failure: RuntimeError | None = None
+    failure: BaseException | None = None
     try:
         with torch.cuda.stream(stream):
             # thread_local: another thread's CUDA calls (a loader pinning memory) must not break this capture.
             graph.capture_begin(pool=pool or torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
             try:
                 output = step(*state, *static.tensors)
-            except RuntimeError as error:  # the cause; ending the broken capture raises an error of its own
+            except BaseException as error:  # the cause; the capture must end all the same
                 failure = error
             try:
                 graph.capture_end()
-            except RuntimeError as error:
+            except RuntimeError as error:  # a broken capture raises an error of its own
                 failure = failure or error
                 _stop_allocating_to_pool(device, graph)
     except RuntimeError as error:  # capture_begin
         failure = error
     finally:
         current.wait_stream(stream)
+    if failure is not None and not isinstance(failure, RuntimeError):
+        _CACHE.failed.append(graph)
+        raise failure  # the step's own error (bad shapes, an interrupt), as op by op
     if failure is not None:
         _CACHE.failure = str(failure).strip()
         _CACHE.failed.append(graph)

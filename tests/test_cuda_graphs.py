@@ -108,6 +108,26 @@ def test_an_accumulator_replaying_graphs_adds_each_batch_once():
 
 
 @cuda
+def test_a_step_raising_its_own_error_while_captured_raises_it_and_leaves_graphs_on():
+    calls = []
+
+    def step(total, x):
+        calls.append(len(calls))
+        if len(calls) == 1:  # the capture: graphed runs nothing the first time a pair is seen
+            raise ValueError("bad shapes")
+        total += x.sum()
+        return x.sum()
+
+    total, x = torch.zeros(2, device="cuda"), torch.ones(3, device="cuda")
+    assert cuda_graphs.graphed(step, (total,), (x,)) is None
+    with pytest.raises(ValueError, match="bad shapes"):
+        cuda_graphs.graphed(step, (total,), (x,))  # the capture ended all the same: the stream is usable
+    assert cuda_graphs._CACHE.failure is None and cuda_graphs.graphs_apply(x)
+    assert cuda_graphs.graphed(step, (total,), (x,)) is None  # seen once again
+    assert float(cuda_graphs.graphed(step, (total,), (x,))) == 3.0 and total.tolist() == [3.0, 3.0]
+
+
+@cuda
 def test_a_step_that_cannot_be_captured_warns_and_runs_op_by_op():
     """A capture that fails (here a host sync inside the step) leaves the step to the caller, warns once, and
     switches graphs off; in a fresh process, since the flag is process-wide."""
