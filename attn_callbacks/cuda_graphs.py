@@ -66,6 +66,10 @@ class _Graph:
         self.output = output
         self.state = tuple(weakref.ref(t) for t in state)
 
+    @property
+    def device(self) -> torch.device:
+        return self.inputs.tensors[0].device
+
     def writes(self, state: Sequence[Tensor]) -> bool:
         return all(ref() is tensor for ref, tensor in zip(self.state, state, strict=True))
 
@@ -156,7 +160,7 @@ def forget_dead() -> None:
 def _drop(keys: list[tuple]) -> None:
     """Destroy these graphs once the device has finished their last replays."""
     if keys:
-        for device in {_CACHE.graphs[key].inputs.tensors[0].device for key in keys}:
+        for device in {_CACHE.graphs[key].device for key in keys}:
             torch.cuda.synchronize(device)
         for key in keys:
             del _CACHE.graphs[key]
@@ -177,7 +181,7 @@ def _capture(
         stream = _CACHE.streams[device] = torch.cuda.Stream(device)
     # Share the pool of a graph alive on this device. A pool lives only while a graph captured into it does: a
     # handle whose graphs are all gone cannot be captured into again (an internal assert of the caching allocator).
-    pool = next((g.graph.pool() for g in _CACHE.graphs.values() if g.inputs.tensors[0].device == device), None)
+    pool = next((g.graph.pool() for g in _CACHE.graphs.values() if g.device == device), None)
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)

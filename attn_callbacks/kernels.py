@@ -162,8 +162,7 @@ def accumulate_attention(
     """
     if pairs is None and key_ids is None:
         raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
-    vocab_q = query_count.numel()
-    vocab_k = pair_count.numel() // max(vocab_q, 1)
+    vocab_k = pair_count.numel() // max(query_count.numel(), 1)
     if (
         weights.numel() > 0  # an empty batch: nothing to gain, and the torch path's edge cases hold
         and sums.dtype in (torch.float32, torch.float64)
@@ -187,7 +186,9 @@ def accumulate_attention(
         if skipped is not None:
             return skipped
     if pairs is None:
-        pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, vocab_k)
+        return _pairs_and_step(
+            sums, pair_count, query_count, position_sums, weights, query_ids, key_ids, query_valid, key_valid
+        )
     return accumulate_attention_torch(
         sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid
     )
@@ -204,9 +205,10 @@ def _pairs_and_step(
     query_valid: Tensor,
     key_valid: Tensor,
 ) -> Tensor:
-    """The torch step from the ids (the pair index made inside it), as a CUDA graph captures and replays it."""
+    """The torch step from the ids, the pair index made inside it: op by op without a shared index, and as a CUDA
+    graph captures and replays it."""
     vocab_q = query_count.numel()
-    pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, pair_count.numel() // vocab_q)
+    pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, pair_count.numel() // max(vocab_q, 1))
     return accumulate_attention_torch(
         sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid
     )
@@ -316,14 +318,13 @@ def _distance(len_q: int, len_k: int, device: torch.device, dtype: torch.dtype) 
     once per module, up to :data:`_DISTANCE_CACHE_ELEMENTS` pairs."""
     key = (len_q, len_k, device, dtype)
     # A CUDA graph being captured keeps its own (in its memory pool): the cache may drop a vector the graph reads.
-    distance = None if device.type == "cuda" and torch.cuda.is_current_stream_capturing() else _DISTANCES.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    distance = None if capturing else _DISTANCES.get(key)
     if distance is None:
         with torch.inference_mode(False):
             positions = torch.arange(max(len_q, len_k), device=device)
             distance = (positions[:len_q, None] - positions[None, :len_k]).abs().to(dtype).reshape(-1)
-        if len_q * len_k <= _DISTANCE_CACHE_ELEMENTS and not (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        ):
+        if len_q * len_k <= _DISTANCE_CACHE_ELEMENTS and not capturing:
             if len(_DISTANCES) >= 4:  # a batch's shapes (self- and cross-attention); lengths that vary start afresh
                 _DISTANCES.clear()
             _DISTANCES[key] = distance
