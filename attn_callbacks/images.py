@@ -50,7 +50,7 @@ class Images:
         *,
         mass: Tensor,
         mass_heads: Tensor | None,
-        sum_mean: Tensor,
+        query_count: Tensor,
         uniform_sum: Tensor,
         pair_count: Tensor,
         rows: Tensor,
@@ -82,11 +82,14 @@ class Images:
                 alpha=True,  # the writer thread drops it: a plain copy here
             )
 
-        shown = mass[rows][:, cols]  # (top rows, top cols)
+        # The shown block's cells alone: gathering its whole rows first copies V / top_k times more (with torch's
+        # threads, which wait for a core while the image writer thread encodes: ~5 ms a module).
+        block = (rows[:, None], cols)
+        shown = mass[block]  # (top rows, top cols)
         draw("mass", shown, "attention mass P (mean of heads)", "P[query, key]")
         if mass_heads is not None:
             name = tag.format(family="mass_heads")
-            matrices = mass_heads[:, rows][:, :, cols].float().cpu().numpy()
+            matrices = mass_heads[:, rows[:, None], cols].float().cpu().numpy()  # (H, top rows, top cols)
             images[name] = self.figures.head_grid(
                 matrices,
                 row_labels,
@@ -104,12 +107,13 @@ class Images:
                 "P[a, b] - P[b, a]",
                 True,
             )
-        lifts = lift(sum_mean[rows][:, cols], uniform_sum[rows][:, cols])
+        # S̄ = Q P̄ at the shown cells, as the tables' lifts take it.
+        lifts = lift(query_count[rows, None].to(mass.dtype) * shown, uniform_sum[block])
         # log2 lift, blank where the pair was never visible (no evidence either way).
-        log_lift = torch.where(pair_count[rows][:, cols] > 0, torch.log2(lifts.clamp(min=1e-6)), float("nan"))
+        log_lift = torch.where(pair_count[block] > 0, torch.log2(lifts.clamp(min=1e-6)), float("nan"))
         draw("lift_map", log_lift, "log2 lift over uniform attention (red: more than chance)", "log2(S / U)", True)
         if reference_mass is not None:
-            ref_mass = reference_mass[rows.cpu()][:, cols.cpu()].to(mass.device)
+            ref_mass = reference_mass[rows.cpu()[:, None], cols.cpu()].to(mass.device)
             draw(
                 "drift_map",
                 shown - ref_mass,

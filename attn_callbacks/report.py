@@ -37,7 +37,6 @@ class _Output(NamedTuple):
     streams: tuple[str, str]
     stats: AttentionStats
     mass: Tensor  # mean_h P, (Vq, Vk)
-    sum_mean: Tensor  # mean_h S, (Vq, Vk)
     reference: Any  # the reference epoch's Snapshot, or None
     drifts: dict[str, Any]
     step: int
@@ -222,17 +221,13 @@ class Reporter:
             reference=reference,
             min_support=self.min_support,
         )
-        # mean_h S = Q mean_h P: a pass over one V × V matrix instead of every head's.
         mass = summary.mean_mass
-        sum_mean = mass * stats.query_count[:, None].to(mass.dtype)
         if derived is not None:
             derived[name] = {"row_plogp": summary.plogp_heads.cpu(), "mean_mass": mass.cpu()}
         log_layer(pl_module, {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()})
         self._warn(name, summary.heads.get("position/entropy_normalized"), stats)
         if writer is not None:
-            out = _Output(
-                writer, name, layer, streams, stats, mass, sum_mean, reference, summary.drifts, step, prefix, suffix
-            )
+            out = _Output(writer, name, layer, streams, stats, mass, reference, summary.drifts, step, prefix, suffix)
             if self.num_pairs:
                 tables.append(partial(self._tables, out))
             draws.append(partial(self._draw, out))
@@ -257,7 +252,7 @@ class Reporter:
             )
 
     def _draw(self, out: _Output) -> None:
-        writer, name, layer, streams, stats, mass, sum_mean, reference, _, step, prefix, suffix = out
+        writer, name, layer, streams, stats, mass, reference, _, step, prefix, suffix = out
         query_stream, key_stream = streams
         square = query_stream == key_stream
         label = self.streams.label
@@ -274,7 +269,7 @@ class Reporter:
                     layer,
                     mass=mass,
                     mass_heads=stats.attention_mass if self.per_head else None,
-                    sum_mean=sum_mean,
+                    query_count=stats.query_count,
                     uniform_sum=stats.uniform_sum,
                     pair_count=stats.pair_count,
                     rows=rows,
@@ -291,7 +286,7 @@ class Reporter:
             self.painter.image(writer, tag + suffix, image, step)
 
     def _tables(self, out: _Output) -> None:
-        writer, name, layer, streams, stats, mass, sum_mean, reference, drifts, step, prefix, suffix = out
+        writer, name, layer, streams, stats, mass, reference, drifts, step, prefix, suffix = out
         query_stream, key_stream = streams
         square = query_stream == key_stream
         label = self.streams.label
@@ -299,7 +294,6 @@ class Reporter:
         tables, self._ranks[key] = module_tables(
             stats,
             mass,
-            sum_mean,
             square=square,
             query_tokens=self.streams.tokens(query_stream),
             key_tokens=self.streams.tokens(key_stream),

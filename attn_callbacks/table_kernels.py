@@ -64,21 +64,24 @@ def _one_way(matrix, count, size, min_support, mask):  # pragma: no cover - comp
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _lift(sums, uniform, count, min_support, starts, out, values):  # pragma: no cover - compiled
-    """The cells with ``C >= min_support`` whose lift ``S / U`` (0 where ``U = 0``, in the dtype of ``S``) is finite,
-    as flat indices into ``out`` (from ``starts[block]``) and their lifts into ``values``; with an empty ``out``, only
-    how many each block of rows has, into ``starts[block + 1]``."""
-    rows, cols = count.shape
+def _lift(mass, weights, uniform, count, shape, min_support, starts, out, values):  # pragma: no cover - compiled
+    """The cells ``a, b`` of the first ``shape`` rows and columns with ``C >= min_support`` whose lift ``S / U``
+    (``S[a, b] = weights[a] P[a, b]``, 0 where ``U = 0``, in the dtype of ``P``) is finite, as flat indices into
+    ``out`` (from ``starts[block]``) and their lifts into ``values``; with an empty ``out``, only how many each block
+    of rows has, into ``starts[block + 1]``. The matrices may be wider than ``shape``: their rows' first cells."""
+    rows, cols = shape
     blocks = (rows + _BLOCK - 1) // _BLOCK
     fill = out.shape[0] > 0
     for block in numba.prange(blocks):
         n = starts[block] if fill else 0
         for a in range(block * _BLOCK, min(rows, (block + 1) * _BLOCK)):
-            count_row, sums_row, uniform_row = count[a], sums[a], uniform[a]  # row views: see _one_way
+            # row views: see _one_way
+            count_row, mass_row, uniform_row = count[a, :cols], mass[a, :cols], uniform[a, :cols]
+            weight = weights[a]
             for b in range(cols):
                 if count_row[b] >= min_support:
                     u = uniform_row[b]
-                    value = sums_row[b] / u if u != 0 else 0.0
+                    value = weight * mass_row[b] / u if u != 0 else 0.0
                     if np.isfinite(value):
                         if fill:
                             out[n] = a * cols + b
@@ -113,23 +116,28 @@ def _full_rows(matrix: Tensor) -> np.ndarray:
     return np.ascontiguousarray(matrix.detach().numpy())
 
 
-def lift_candidates(sums: Tensor, uniform: Tensor, pair_count: Tensor, min_support: int) -> tuple[Tensor, Tensor]:
+def lift_candidates(
+    mass: Tensor, query_count: Tensor, uniform: Tensor, pair_count: Tensor, min_support: int
+) -> tuple[Tensor, Tensor]:
     """The candidate cells of the ``lift_pairs`` table, CPU ``(Vq, Vk)`` matrices: the flat indices (row-major order)
     of the cells seen ``min_support`` times whose lift ``S / U`` is finite, and those lifts (as
-    :func:`attn_callbacks.summary.lift` computes them)."""
-    if not sums.shape == uniform.shape == pair_count.shape or sums.dim() != 2:
+    :func:`attn_callbacks.summary.lift` computes them of ``S = Q[:, None] P`` in the dtype of ``P``, a product taken
+    cell by cell here rather than a ``V × V`` matrix)."""
+    if not mass.shape == uniform.shape == pair_count.shape or mass.dim() != 2 or query_count.shape != mass.shape[:1]:
         raise ValueError(
-            f"Expected three (Vq, Vk) matrices, got {tuple(sums.shape)}, {tuple(uniform.shape)} and "
-            f"{tuple(pair_count.shape)}"
+            f"Expected three (Vq, Vk) matrices and (Vq,) query counts, got {tuple(mass.shape)}, "
+            f"{tuple(uniform.shape)}, {tuple(pair_count.shape)} and {tuple(query_count.shape)}"
         )
-    s, u = sums.detach().numpy(), uniform.detach().to(sums.dtype).numpy()
-    c = pair_count.detach().to(torch.int64).numpy()
-    counts = np.zeros((s.shape[0] + _BLOCK - 1) // _BLOCK + 1, dtype=np.int64)
-    _lift(s, u, c, min_support, counts, np.empty(0, dtype=np.int64), np.empty(0, dtype=s.dtype))
+    m = _full_rows(mass)
+    u, c = _full_rows(uniform.to(mass.dtype)), _full_rows(pair_count.to(torch.int64))
+    weights = query_count.detach().to(mass.dtype).contiguous().numpy()
+    counts = np.zeros((mass.shape[0] + _BLOCK - 1) // _BLOCK + 1, dtype=np.int64)
+    shape = tuple(mass.shape)
+    _lift(m, weights, u, c, shape, min_support, counts, np.empty(0, dtype=np.int64), np.empty(0, dtype=m.dtype))
     starts = np.cumsum(counts)  # each block's first output index; the total last
-    out, values = np.empty(int(starts[-1]), dtype=np.int64), np.empty(int(starts[-1]), dtype=s.dtype)
+    out, values = np.empty(int(starts[-1]), dtype=np.int64), np.empty(int(starts[-1]), dtype=m.dtype)
     if out.size:
-        _lift(s, u, c, min_support, starts, out, values)
+        _lift(m, weights, u, c, shape, min_support, starts, out, values)
     return torch.from_numpy(out), torch.from_numpy(values)
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from attn_callbacks.accumulate import AttentionStats
 from attn_callbacks.blocks import safe_divide
 from attn_callbacks.drift import Snapshot, moved_tokens
-from attn_callbacks.summary import Drift, in_degree, lift
+from attn_callbacks.summary import Drift, lift
 
 __all__ = ["markdown_table", "module_tables", "one_way_pairs", "pagerank", "top_pairs", "top_tokens"]
 
@@ -212,7 +212,6 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
 def module_tables(
     stats: AttentionStats,
     mass: Tensor,
-    sum_mean: Tensor,
     *,
     square: bool,
     query_tokens: slice,
@@ -232,8 +231,8 @@ def module_tables(
 
     Args:
         stats: the module's sums.
-        mass: ``mean_h P``, ``(Vq, Vk)``.
-        sum_mean: ``mean_h S``, ``(Vq, Vk)``.
+        mass: ``P̄ = mean_h P``, ``(Vq, Vk)``; the tables need ``S̄ = mean_h S = Q P̄`` at a few cells and in column
+            sums only, so they take it from ``P̄`` and ``Q`` rather than from a ``V × V`` matrix of its own.
         square: self-attention.
         query_tokens: the query indices that are tokens (``<other>`` left out).
         key_tokens: the key indices that are tokens.
@@ -261,14 +260,18 @@ def module_tables(
         ]
         header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
         tables["one_way_pairs"] = table(header, rows, f"{needs} in both directions.")
-    sums, uniform = sum_mean[tq, tk], stats.uniform_sum[tq, tk]
-    fast = _table_kernels(sums, count)
+    query_count = stats.query_count
+    shown, uniform = mass[tq, tk], stats.uniform_sum[tq, tk]
+    fast = _table_kernels(shown, count)
     if fast is not None:
-        top = _top_of(*fast.lift_candidates(sums, uniform, count, min_support), sums.shape[-1], num_pairs)
+        top = _top_of(
+            *fast.lift_candidates(shown, query_count[tq], uniform, count, min_support), shown.shape[-1], num_pairs
+        )
     else:
-        top = _top_pairs_by(lambda r, c: lift(sums[r, c], uniform[r, c]), count, num_pairs, min_support)
+        weights = query_count[tq].to(mass.dtype)
+        top = _top_pairs_by(lambda r, c: lift(weights[r] * shown[r, c], uniform[r, c]), count, num_pairs, min_support)
     rows = [
-        (query_label(a), key_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / stats.query_count[a]))
+        (query_label(a), key_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / query_count[a]))
         for a, b, score in top
     ]
     header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
@@ -278,12 +281,13 @@ def module_tables(
         tables["drift_tokens"] = _drift_table(
             stats, mass, reference, drifts, tq, tk, query_label, key_label, num_pairs, min_support, epochs
         )
-    degree = in_degree(sum_mean, stats.query_count)
+    # summary.in_degree of S̄ = Q P̄: its column sums are Q @ P̄.
+    degree = safe_divide(query_count.to(mass.dtype) @ mass, query_count.sum())
     rank = None
     if square:
-        # The sums give P's ranks (rows are normalised); last epoch's ranks are a close first guess.
+        # P̄ has the ranks of S̄ (rows are normalised); last epoch's ranks are a close first guess.
         start = rank_start if rank_start is not None and rank_start.shape == degree.shape else None
-        rank = pagerank(sum_mean, start=start)
+        rank = pagerank(mass, start=start)
         order = top_tokens((rank * (degree > 0))[tk], num_pairs).tolist()
         rows = [(key_label(b), float(rank[b]), float(degree[b]), int(stats.query_count[b])) for b in order]
         header = ("token", "PageRank", "in-degree (share of attention received)", "Q")

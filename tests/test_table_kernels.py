@@ -54,29 +54,52 @@ def test_one_way_candidates_of_any_layout_equal_those_of_a_contiguous_copy(layou
 @pytest.mark.parametrize("rows, cols, min_support", [(1, 1, 1), (33, 20, 2), (20, 70, 1), (70, 70, 4)])
 def test_lift_candidates_are_the_supported_cells_with_a_finite_lift_and_equal_lifts(rows, cols, min_support, dtype):
     for seed in range(3):
-        sums, uniform, counts = _sums(max(rows, 4), max(cols, 4), seed, dtype)
-        sums, uniform, counts = sums[:rows, :cols], uniform[:rows, :cols], counts[:rows, :cols]
+        mass, uniform, counts = _sums(max(rows, 4), max(cols, 4), seed, dtype)
+        mass, uniform, counts = mass[:rows, :cols], uniform[:rows, :cols], counts[:rows, :cols]
+        query_count = torch.randint(0, 7, (rows,), generator=torch.Generator().manual_seed(seed))
+        sums = query_count[:, None].to(dtype) * mass  # S = Q P, as the tables had it
         r, c = (counts >= min_support).nonzero().unbind(dim=1)
         values = safe_divide(sums[r, c], uniform[r, c])  # the lift: 0 where U = 0
         keep = torch.isfinite(values)
-        flat, lifts = table_kernels.lift_candidates(sums, uniform, counts, min_support)
+        flat, lifts = table_kernels.lift_candidates(mass, query_count, uniform, counts, min_support)
         assert flat.tolist() == (r * cols + c)[keep].tolist()
         assert lifts.dtype == dtype and torch.equal(lifts, values[keep])
     assert rows * cols == 1 or ((uniform == 0).any() and len(flat) > 0)
+
+
+@pytest.mark.parametrize("layout", ["bottom-right slice", "transposed", "strided columns"])
+def test_lift_candidates_of_any_layout_equal_those_of_contiguous_copies(layout):
+    parent_m, parent_u, counts = (t._base for t in _sums(300, 300, 5))
+    views = {
+        "bottom-right slice": lambda t: t[-260:, -260:],
+        "transposed": lambda t: t[:260, :260].T,
+        "strided columns": lambda t: t[:150, :300:2],
+    }[layout]
+    m, u, c = views(parent_m), views(parent_u), views(counts)
+    query_count = torch.arange(m.shape[0]) % 5
+    got = table_kernels.lift_candidates(m, query_count, u, c, 2)
+    want = table_kernels.lift_candidates(m.contiguous(), query_count, u.contiguous(), c.contiguous(), 2)
+    assert not m.is_contiguous() and len(want[0]) > 0
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
 def test_candidates_refuse_matrices_of_other_shapes():
     matrix, uniform, counts = _sums(6, 6, 0)
     with pytest.raises(ValueError, match=r"square matrices of one shape, got \(6, 5\) and \(6, 5\)"):
         table_kernels.one_way_candidates(matrix[:, :5], counts[:, :5], 1)
-    with pytest.raises(ValueError, match=r"three \(Vq, Vk\) matrices, got \(6, 6\), \(6, 5\) and \(6, 6\)"):
-        table_kernels.lift_candidates(matrix, uniform[:, :5], counts, 1)
+    query_count = torch.ones(6, dtype=torch.int64)
+    with pytest.raises(
+        ValueError, match=r"matrices and \(Vq,\) query counts, got \(6, 6\), \(6, 5\), \(6, 6\) and \(6,\)"
+    ):
+        table_kernels.lift_candidates(matrix, query_count, uniform[:, :5], counts, 1)
+    with pytest.raises(ValueError, match=r"got \(6, 6\), \(6, 6\), \(6, 6\) and \(5,\)"):
+        table_kernels.lift_candidates(matrix, query_count[:5], uniform, counts, 1)
 
 
 def test_candidates_of_matrices_with_none_are_empty():
     matrix, uniform, counts = _sums(5, 5, 0)
     rows, cols = table_kernels.one_way_candidates(matrix, torch.zeros_like(counts), 1)
-    flat, lifts = table_kernels.lift_candidates(matrix, uniform, counts, 100)
+    flat, lifts = table_kernels.lift_candidates(matrix, torch.ones(5, dtype=torch.int64), uniform, counts, 100)
     assert rows.numel() == cols.numel() == flat.numel() == lifts.numel() == 0
 
 

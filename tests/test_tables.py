@@ -184,7 +184,6 @@ def test_lift_pairs_table_ranks_the_lift_of_every_supported_pair_as_a_python_sor
     tables, _ = module_tables(
         stats,
         mass,
-        sum_mean,
         square=True,
         query_tokens=slice(0, vocab),
         key_tokens=slice(0, vocab),
