@@ -302,14 +302,15 @@ class EpochSums:
             for name, shape in shapes.items():
                 for idx in range(loaders):
                     metric = self.metrics.get((name, idx))
-                    if metric is None:
+                    if metric is None or _shape_of(metric) != tuple(shape):  # new, or another model's module
                         metric = self._accumulator(shape)
                         self.metrics[(name, idx)] = metric
                     metric.to(devices[name])
                     metric.allocate()  # memory released at the last epoch's end (see reset)
                     if metric.update_count or metric.summed_in_place:  # an interrupted epoch's; else zero
                         metric.reset()
-        for key in [key for key in self.metrics if key[1] >= loaders]:  # fewer loaders than last time
+        # Fewer loaders than last time, or modules an earlier stage's model had (fit, then validate another model).
+        for key in [key for key in self.metrics if key[0] not in shapes or key[1] >= loaders]:
             del self.metrics[key]
 
     def allocate(self, name: str, shape: tuple[int, int, int], device: torch.device) -> None:
@@ -386,7 +387,7 @@ class EpochSums:
         return added
 
     def _shapes(self) -> dict[str, tuple[int, int, int]]:
-        return {name: (m.num_heads, m.query_vocab_size, m.key_vocab_size) for (name, _), m in self.metrics.items()}
+        return {name: _shape_of(metric) for (name, _), metric in self.metrics.items()}
 
     def collect(self) -> tuple[dict[tuple[str, int], AttentionStats], dict[str, AttentionStats]]:
         """Every (module, dataloader)'s statistics and every module's over all dataloaders. A collective under DDP:
@@ -413,6 +414,11 @@ class EpochSums:
             metric.reset()
         self._pairs.clear()
         forget_dead()  # the graphs of sums that are gone (a finished monitor's), with their memory
+
+
+def _shape_of(metric: AttentionAccumulator) -> tuple[int, int, int]:
+    """The ``(H, Vq, Vk)`` an accumulator was made for."""
+    return metric.num_heads, metric.query_vocab_size, metric.key_vocab_size
 
 
 def _distributed() -> bool:

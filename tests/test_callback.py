@@ -1469,3 +1469,36 @@ def test_compiled_model_validated_after_fit_and_again_keeps_its_names_and_is_see
     assert all(len(events.Scalars(tag)) == (2 if "drift" in tag else 3) for tag in ours)
     entropy = [e.value for e in events.Scalars("attention_entropy/encoder.layers.0.self_attn")]
     assert entropy[1] == pytest.approx(entropy[2], rel=1e-6)  # the same weights, the same numbers
+
+
+class WideOneLayer(TinyEncoder):
+    """One encoder layer of 4 heads: one attention module of the 2-layer, 2-head model's names, another shape."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1)
+
+
+def test_monitor_validating_another_model_after_fit_sums_only_that_models_modules(tmp_path):
+    """A monitor fitted on one model, then used to validate a model with fewer modules, and heads of another number
+    under a name it saw, gives the numbers a fresh monitor gives that model (drift aside: it has earlier epochs)."""
+    seed_everything(0)
+    reused = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1)
+    train, val = loaders()
+    trainer(tmp_path / "fit", [reused], max_epochs=1, num_sanity_val_steps=0).fit(TinyEncoder(), train, val)
+    model = WideOneLayer()
+    logged = {}
+    for name, monitor in (
+        ("reused", reused),
+        ("fresh", AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1)),
+    ):
+        t = trainer(tmp_path / name, [monitor])
+        t.validate(model, val, verbose=False)
+        logged[name] = {k: float(v) for k, v in t.callback_metrics.items() if k.startswith("attention_")}
+    layer = "encoder.layers.0.self_attn"
+    assert f"attention_entropy/{layer}" in logged["fresh"]
+    assert not any("layers.1" in tag for tag in logged["reused"])
+    shared = {k: v for k, v in logged["reused"].items() if "drift" not in k}
+    assert shared.keys() == logged["fresh"].keys()
+    assert shared == pytest.approx(logged["fresh"], rel=1e-6)
