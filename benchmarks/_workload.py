@@ -44,6 +44,17 @@ class Encoder(LightningModule):
             self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()))
 
 
+def nudge(model: nn.Module, seed: int, scale: float = 1e-3) -> None:
+    """Scale every parameter by ``1 + scale · N(0, 1)``, cell by cell: a stand-in for a training step, so that each
+    monitored epoch's attention differs from the last one's as in a fit (on a model left as it is, every row's drift
+    is exactly 0, which the epoch end computes without a logarithm)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator).to(parameter.device, parameter.dtype)
+            parameter.mul_(1 + scale * noise)
+
+
 class SdpaBlock(nn.Module):
     """A post-norm encoder block like ``nn.TransformerEncoderLayer``'s, its attention a direct SDPA call."""
 

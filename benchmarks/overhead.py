@@ -15,9 +15,10 @@ untimed floor epoch: the allocator, once that monitor's memory is freed, hands t
   read once (``weights.sum()``): what any capture pays, since a stock layer loses PyTorch's fused fast path and an
   SDPA call's weights must be computed again;
 - monitor (per head, the default) and monitor ``per_head=False``: steady, a monitor past its first three epochs
-  (tracked ids chosen, figures drawn, drift memory full), epoch end included; cold, a fresh monitor's first epoch,
-  set-up, the tracked-id pass and the sums' allocation included (loading the compiled kernels and making the glyph
-  outlines of the labels are once per process: the steady monitors' warm-up pays them first).
+  (tracked ids chosen, figures drawn, drift memory full), epoch end included, the model's weights nudged before each
+  of its epochs as a training step would change them (so that drift compares rows that moved); cold, a fresh
+  monitor's first epoch, set-up, the tracked-id pass and the sums' allocation included (loading the compiled kernels
+  and making the glyph outlines of the labels are once per process: the steady monitors' warm-up pays them first).
 
 Printed per workload and configuration (min / median / max over the rounds, each ratio from the same round):
 floor / none, steady / floor, cold / none, and the steady epoch end in seconds (the monitor's once-per-epoch work:
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import platform
 import resource
 import statistics
@@ -52,6 +54,7 @@ from _workload import (
     Encoder,
     SdpaEncoder,
     device_label,
+    nudge,
     quiet,
     token_ids,
     validate,
@@ -115,16 +118,22 @@ def run(
     """Per configuration, the figures of every round."""
     configs = {"monitor": {}, "monitor per_head=False": {"per_head": False}}
     steady = {name: TimedMonitor(vocab, "input_ids", max_tracked_tokens=tracked, **kw) for name, kw in configs.items()}
-    for monitor in steady.values():
+    seeds = itertools.count()  # of the nudges
+
+    def steady_epoch(name: str) -> float:
+        nudge(model, next(seeds))  # every epoch's attention differs from the last one's, as in a fit
+        return timed(model, batches, [steady[name]])
+
+    for name in steady:
         for _ in range(WARM_UP_EPOCHS):
-            validate(model, batches, [monitor])
+            steady_epoch(name)
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in ("floor", *configs)}
     for _ in range(rounds):
         none = timed(model, batches, [])
         floor = timed(model, batches, [WeightsReader()])
         figures["floor"].setdefault("floor / none", []).append(floor / none)
         for name, kw in configs.items():
-            warm = timed(model, batches, [steady[name]])
+            warm = steady_epoch(name)
             cold = timed(model, batches, [TimedMonitor(vocab, "input_ids", max_tracked_tokens=tracked, **kw)])
             # Untimed: the cold monitor's memory, freed, leaves the allocator handing out fresh pages for a while
             # (hundreds of thousands of page faults in the next epoch's batches); no configuration should pay that.

@@ -21,7 +21,7 @@ import torch
 from overhead import PRESETS, WeightsReader
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from _workload import Encoder, SdpaEncoder, device_label, quiet, token_ids, validate
+from _workload import Encoder, SdpaEncoder, device_label, nudge, quiet, token_ids, validate
 from attn_callbacks import AttentionMonitor
 from attn_callbacks.accumulate import EpochSums
 
@@ -85,8 +85,10 @@ def main() -> None:
     EpochSums.add = marked(EpochSums.add, RANGES[0])
     AttentionMonitor.on_validation_epoch_end = marked(AttentionMonitor.on_validation_epoch_end, RANGES[1])
     monitor = AttentionMonitor(vocab, "input_ids", max_tracked_tokens=tracked, per_head=not args.mean_of_heads)
-    for _ in range(3):  # tracked ids chosen, figures drawn, drift memory full
+    for seed in range(3):  # tracked ids chosen, figures drawn, drift memory full
+        nudge(model, seed)  # as a training step would: drift compares rows that moved
         validate(model, batches, [monitor])
+    nudge(model, 3)
     validate(model, batches, [WeightsReader()])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     profiles = {}
