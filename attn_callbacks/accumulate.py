@@ -298,20 +298,24 @@ class EpochSums:
         """Zeroed sums for every (module, dataloader) on the module's device; budget checked before any allocation."""
         self.check_budget(shapes, loaders)
         self.loaders = loaders
+        kept = {}
+        for key, metric in self.metrics.items():
+            if key[0] in shapes and key[1] < loaders and _shape_of(metric) == tuple(shapes[key[0]]):
+                kept[key] = metric
+            else:  # fewer loaders than last time, or a module of an earlier stage's model (fit, then validate another)
+                metric.release_all()  # before the new sums: torchmetrics' reference cycles would hold it until a GC
+        self.metrics = {}  # in the order of `shapes`: the modules' order in what is logged
         with torch.inference_mode(False):  # state tensors must be normal tensors, not inference tensors
             for name, shape in shapes.items():
                 for idx in range(loaders):
-                    metric = self.metrics.get((name, idx))
-                    if metric is None or _shape_of(metric) != tuple(shape):  # new, or another model's module
+                    metric = kept.get((name, idx))
+                    if metric is None:
                         metric = self._accumulator(shape)
-                        self.metrics[(name, idx)] = metric
+                    self.metrics[(name, idx)] = metric
                     metric.to(devices[name])
                     metric.allocate()  # memory released at the last epoch's end (see reset)
                     if metric.update_count or metric.summed_in_place:  # an interrupted epoch's; else zero
                         metric.reset()
-        # Fewer loaders than last time, or modules an earlier stage's model had (fit, then validate another model).
-        for key in [key for key in self.metrics if key[0] not in shapes or key[1] >= loaders]:
-            del self.metrics[key]
 
     def allocate(self, name: str, shape: tuple[int, int, int], device: torch.device) -> None:
         """Zeroed sums ``(H, Vq, Vk)`` for every dataloader of a module first seen mid-epoch (an SDPA call), with the

@@ -112,6 +112,11 @@ class SummedMetric(Metric):
             self._released.discard(name)
         setattr(self, name, buffer)
 
+    def release_all(self) -> None:
+        """Release every sum state's memory now (a metric no longer used: see :meth:`release`)."""
+        for name in self._sum_shapes:
+            self.release(name)
+
     def allocate(self) -> None:
         """Zeroed memory for the states released without a buffer; nothing for the others."""
         with torch.inference_mode(False):

@@ -283,3 +283,21 @@ def test_epoch_sums_log_their_bytes_again_when_a_first_call_adds_to_them(caplog)
     single = AttentionAccumulator.state_bytes(2, 3, 3)
     both = single + AttentionAccumulator.state_bytes(4, 3, 3)
     assert [line.split(" will hold ")[1].split(" of ")[0] for line in lines] == [f"{single} B", f"{both} B"], lines
+
+
+def test_epoch_sums_start_frees_the_sums_of_modules_gone_or_reshaped_and_keeps_the_others():
+    """Another stage's model (fit, then validate another): an accumulator of a module it lacks, or of another shape
+    under a name it has, lets its memory go at once (torchmetrics' reference cycles would hold it until a garbage
+    collection); the one that fits is kept, with its sums zeroed; the order is that of the new shapes."""
+    cpu = torch.device("cpu")
+    sums = EpochSums()
+    sums.start({"a": (2, 3, 3), "b": (2, 3, 3), "c": (1, 4, 4)}, dict.fromkeys("abc", cpu), loaders=2)
+    w, ids = torch.full((1, 1, 2, 2), 0.5), torch.tensor([[1, 2]])
+    sums.add("c", 0, ("s", "s"), w, (ids, ids > 0), (ids, ids > 0))
+    before = dict(sums.metrics)
+    sums.start({"c": (1, 4, 4), "b": (4, 3, 3)}, dict.fromkeys("bc", cpu), loaders=1)
+    assert list(sums.metrics) == [("c", 0), ("b", 0)]
+    assert sums.metrics[("c", 0)] is before[("c", 0)] and int(sums.metrics[("c", 0)].query_count.sum()) == 0
+    assert sums.metrics[("b", 0)] is not before[("b", 0)] and sums.metrics[("b", 0)].num_heads == 4
+    for key in [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 1)]:
+        assert before[key].sums.numel() == before[key].pair_count.numel() == 0, key
