@@ -76,6 +76,15 @@ def _table_kernels(matrix: Tensor, pair_count: Tensor | None = None) -> Any:
     return table_kernels
 
 
+def _column_sums(mass: Tensor, query_count: Tensor) -> Tensor:
+    """``Σ_a Q[a] P̄[a, b]``, the column sums of ``S̄``, with equal columns summing to equal values: the hubs table
+    ranks ties by token (a float32 product or sum may add a matrix's last columns in another order)."""
+    fast = _table_kernels(mass)
+    if fast is not None:  # float64 sums in a fixed order, the matrix read in place
+        return fast.vector_matrix(query_count.double(), mass)
+    return (query_count.double() @ mass.double()).float()  # float64 differences in the last bits round away
+
+
 def one_way_pairs(matrix: Tensor, pair_count: Tensor, k: int, min_support: int = 1) -> list[tuple[int, int, float]]:
     """The ``k`` most one-way pairs ``(a, b)`` by ``A[a, b] = (P[a, b] - P[b, a]) / (P[a, b] + P[b, a])``.
 
@@ -281,8 +290,7 @@ def module_tables(
         tables["drift_tokens"] = _drift_table(
             stats, mass, reference, drifts, tq, tk, query_label, key_label, num_pairs, min_support, epochs
         )
-    # summary.in_degree of S̄ = Q P̄: its column sums are Q @ P̄.
-    degree = safe_divide(query_count.to(mass.dtype) @ mass, query_count.sum())
+    degree = safe_divide(_column_sums(mass, query_count), query_count.sum())  # summary.in_degree of S̄ = Q P̄
     rank = None
     if square:
         # P̄ has the ranks of S̄ (rows are normalised); last epoch's ranks are a close first guess.

@@ -213,3 +213,34 @@ def test_pagerank_of_a_matrix_with_an_inf_or_nan_is_nan_on_either_path(numba, mo
         matrix = torch.rand(6, 6, generator=torch.Generator().manual_seed(1))
         matrix[2, 4] = bad
         assert F.pagerank(matrix).isnan().any(), bad
+
+
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_hubs_of_cross_attention_rank_equal_in_degrees_by_token(numba, monkeypatch):
+    """Uniform attention (an untrained model): every key's in-degree is the same, exactly, so the hubs table lists
+    the first tokens by id, on either path (a BLAS product may add a matrix's last columns in another order)."""
+    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
+    from attn_callbacks.accumulate import AttentionStats
+    from attn_callbacks.tables import module_tables
+
+    vocab_q, vocab_k = 33, 72
+    mass = torch.full((vocab_q, vocab_k), 1.0 / vocab_k)
+    # counts whose float32 product with P̄ comes out larger in its last 8 columns than in the others
+    query_count = torch.randint(1, 9, (vocab_q,), generator=torch.Generator().manual_seed(5))
+    sums = (mass * query_count[:, None])[None]
+    counts = torch.ones(vocab_q, vocab_k, dtype=torch.int64)
+    stats = AttentionStats(sums, counts, query_count, torch.tensor(0), counts.float() / vocab_k, torch.zeros(6, 1))
+    tables, _ = module_tables(
+        stats,
+        mass,
+        square=False,
+        query_tokens=slice(0, vocab_q),
+        key_tokens=slice(0, vocab_k),
+        query_label=str,
+        key_label=str,
+        num_pairs=5,
+        min_support=1,
+    )
+    rows = [line.split(" | ") for line in tables["hubs"].splitlines()[2:]]
+    assert [row[0].strip("| ") for row in rows] == ["0", "1", "2", "3", "4"]
+    assert [float(row[1].strip(" |")) for row in rows] == [pytest.approx(1 / vocab_k, abs=5e-4)] * 5
