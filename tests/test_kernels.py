@@ -207,3 +207,29 @@ def test_row_plogp_paths_agree_and_stay_finite_for_a_negative_weight():
     exact, one_pass = (weights_plogp(w, w.sum(dim=-1), exact=flag) for flag in (True, False))
     torch.testing.assert_close(exact, one_pass)
     assert torch.isfinite(exact).all() and (exact <= 0).all()
+
+
+def test_pair_index_points_ignored_pairs_at_their_position_and_they_add_nothing_there():
+    """Ignored pairs spread over the cells by their position in the sample (one cell would serialise a GPU's atomic
+    adds), and the sums of the torch path equal those without them at all (a batch of the valid sample alone)."""
+    weights, qi, ki, qv, kv = random_case(3, 2, 6, 5, 4, 3, seed=5)
+    qv[0, 1], kv[0, 4], kv[2, :2] = False, False, False
+    qi[0, 1], ki[0, 4] = -100, 99  # any id at an ignored position
+    pairs = F.pair_index(qi, ki, qv, kv, 4, 3)
+    ignored = ~(qv[:, :, None] & kv[:, None, :])
+    position = (torch.arange(6 * 5) % 12).view(6, 5).expand(3, -1, -1)
+    assert torch.equal(pairs[ignored], position[ignored])
+    assert torch.equal(pairs[~ignored], (qi[:, :, None] * 3 + ki[:, None, :])[~ignored])
+
+    def torch_sums(w, q, k, q_valid, k_valid):
+        packed, C, Q = torch.zeros(3, 12, dtype=torch.float64), torch.zeros(12, dtype=torch.long), torch.zeros(4).long()
+        P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+        index = F.pair_index(q, k, q_valid, k_valid, 4, 3)
+        accumulate_attention_torch(packed, C, Q, P, w.double(), index, q, q_valid, k_valid)
+        return packed, C, Q
+
+    got = torch_sums(weights, qi, ki, qv, kv)
+    want = run_full(weights, qi.clamp(0, 3), ki.clamp(0, 2), qv, kv, 4, 3)
+    torch.testing.assert_close(got[0][:2].view(2, 4, 3), want[0].double(), rtol=1e-6, atol=1e-7)  # float32 there
+    assert torch.equal(got[1].view(4, 3), want[1]) and torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[0][2].view(4, 3), want[3], rtol=1e-12, atol=1e-12)
