@@ -45,9 +45,10 @@ def pair_index(
 
     A pair holding an ignored query or key position points at the cell of its position in the sample, ``(i * Lk + j)
     mod (Vq * Vk)``: the torch path scatters it with the rest, and what it adds there is exactly 0 (its weights, count
-    and baseline share are masked to 0). Spread so: on a GPU, atomic adds aimed at one cell serialise (a batch with
-    20 % of its pairs ignored scattered 2.2x slower with them all at cell 0). The index depends on the token ids
-    only: compute it once per batch and share it between modules that read the same streams.
+    and baseline share are masked to 0). Spread so: on a GPU, atomic adds aimed at one cell queue (on an H200, the
+    scatter of a BERT-base step with 20 % of its pairs ignored took 1.03 ms with them all at one cell, 0.34 ms
+    spread). The index depends on the token ids only: compute it once per batch and share it between modules that
+    read the same streams.
 
     Args:
         query_ids: ``(B, Lq)`` integer ids in ``[0, Vq)`` at valid positions (anything elsewhere).
