@@ -1,13 +1,14 @@
 #!/bin/bash
 # The GPU checks, time-boxed; the log goes to ${OUT:-.}/gpu_checks.log. From the repository root, on a machine with a
 # CUDA GPU and the project's dependencies:
-#     bash benchmarks/gpu_checks.sh [tests] [step] [bert] [light] [profile]     (all five by default, ~17 min at most)
+#     bash benchmarks/gpu_checks.sh [tests] [step] [bert] [light] [profile] [scatter]   (all by default, ~18 min at most)
 # tests: CUDA graph, CUDA-against-CPU and end-to-end tests on the GPU (~4 min); step: one accumulation step alone,
 # graph against op by op (~1 min); bert: overhead.py at BERT-base shapes, graphs on and off (~5 min); light: the light
 # model, graphs on and off, where the host may be the bottleneck (~4 min); profile: where a BERT-base epoch's device
-# time goes, graphs off so that the step's own kernels show (~2 min).
+# time goes, graphs off so that the step's own kernels show (~2 min); scatter: the scatter-add alone, with and without
+# hot cells (~20 s).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
-parts=${*:-tests step bert light profile}
+parts=${*:-tests step bert light profile scatter}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
@@ -29,7 +30,8 @@ parts=${*:-tests step bert light profile}
         done ;;
       profile)
         ATTN_CALLBACKS_CUDA_GRAPHS=0 timeout 120 python3 benchmarks/profile_epoch.py --preset bert-base --batches 16 ;;
-      *) echo "unknown part: $part (tests, step, bert, light, profile)" ;;
+      scatter) timeout 60 python3 benchmarks/scatter.py ;;
+      *) echo "unknown part: $part (tests, step, bert, light, profile, scatter)" ;;
     esac
   done
 } 2>&1 | tee "${OUT:-.}/gpu_checks.log"
