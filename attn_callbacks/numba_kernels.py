@@ -3,11 +3,12 @@
 The torch path (:func:`attn_callbacks.kernels.accumulate_attention_torch`, the reference and the GPU path) reads the
 weights several times (masking copy, scatter, row sums, ``Σ w log w``, distance) and scatters through a
 ``(B, Lq, Lk)`` pair index. This kernel reads each query row's ``H × Lk`` weights from memory once, in one vectorised
-pass that decides whether the row is kept (finite, some positive weight) and sums what the position statistics need;
-the scatter into ``S``, ``U``, ``C`` and ``Q`` then reads the row from L1. It computes the same sums as the torch
-path, on the same packed layout, in place. The scatter, bound by memory, dominates: it visits each sample's keys in
-the order of their ids, so that each row of ``S``, ``U`` and ``C`` is swept upwards (25-35 % faster than in position
-order, which jumps back and forth).
+pass that decides whether the row is kept (finite, some positive weight) and sums what the position statistics need.
+It computes the same sums as the torch path, on the same packed layout, in place. The scatter into ``S``, ``U`` and
+``C`` dominates, so the kernel does less of it: it visits a batch's rows by query id, sums the kept rows of one id in
+one sample in L1 (they add to the same cells) and scatters each such group once, sweeping the group's row of ``S``,
+``U`` and ``C`` upwards in key id order; the next group of the same id finds that row in cache (Zipf ids on the
+stress workload's shapes: ~10 -> ~7 ms a module and batch on 2 threads).
 
 Threads split the work by query id, so no two threads ever write the same row of ``S``/``U``/``C`` or the same cell
 of ``Q``: no atomics, and a result that does not depend on scheduling. Each batch's ids are dealt to the threads by
@@ -105,78 +106,130 @@ def _deal_ids(query_ids, query_valid, size, threads):  # pragma: no cover - comp
     return owner
 
 
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _visiting_order(query_ids, query_valid, key_ids, key_valid, vocab_q, by_id):  # pragma: no cover - compiled
+    """The order a batch is added in: its rows ``n * Lq + i``, by query id (invalid rows last), then sample and
+    position, when ``by_id`` (a counting sort), else as they lie; and per sample its valid key positions by id
+    (``keys[n, :count[n]]``)."""
+    batch, len_k = key_ids.shape
+    flat_ids, flat_valid = query_ids.reshape(-1), query_valid.reshape(-1)
+    if by_id:
+        start = np.zeros(vocab_q + 2, np.int64)  # start[a + 1]: rows of ids below a; vocab_q: the invalid rows
+        for k in range(flat_ids.size):
+            start[(flat_ids[k] if flat_valid[k] else vocab_q) + 1] += 1
+        start = np.cumsum(start)
+        rows = np.empty(flat_ids.size, np.int64)
+        for k in range(flat_ids.size):
+            a = flat_ids[k] if flat_valid[k] else vocab_q
+            rows[start[a]] = k
+            start[a] += 1
+    else:
+        rows = np.arange(flat_ids.size)
+    keys = np.empty((batch, len_k), np.int64)
+    count = np.zeros(batch, np.int64)
+    for n in numba.prange(batch):
+        for j in np.argsort(key_ids[n], kind="mergesort"):
+            if key_valid[n, j]:
+                keys[n, count[n]] = j
+                count[n] += 1
+    return rows, keys, count
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _scatter(sums, pair_count, base, kid, keys, rows, values, share, size):
+    """Add ``rows`` kept rows of one query id in one sample, summed per key (``values`` per channel, U's ``share``,
+    the largest ``|w|``), to row ``base`` of the sums, visiting the keys in id order: the row is swept upwards."""
+    channels = sums.shape[0] - 1
+    for j in keys:
+        cell = base + kid[j]
+        pair_count[cell] += rows
+        if share[j] > 0:
+            sums[channels, cell] += share[j]
+        if size[j] == 0:  # every head 0 at this key in every row (causal): nothing to add
+            continue
+        for c in range(values.shape[0]):
+            sums[c, cell] += values[c, j]
+
+
 @numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
 def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_count, query_count, threads):
     """Add one batch in place; returns the position sums ``(6, H)`` float64 and the number of dropped rows.
 
     Shapes as in :func:`attn_callbacks.kernels.accumulate_attention`; ids int64 and in range at valid positions.
     """
-    batch, heads, len_q, len_k = weights.shape
+    _, heads, len_q, len_k = weights.shape
     channels = sums.shape[0] - 1
     per_head = channels == heads
     key_vocab = sums.shape[1] // query_count.shape[0]
     owner = _deal_ids(query_ids, query_valid, query_count.shape[0], threads)
+    # Per head, the rows go by query id: the rows of one id in one sample add to the same cells, so they are summed
+    # in L1 and scattered once, and the next sample's rows of that id find its row of the sums in cache. With the
+    # mean of the heads (2 planes to write) the reads dominate, and reading the rows out of order costs more than it
+    # saves there: the rows go as they lie.
+    rows, keys, key_count = _visiting_order(query_ids, query_valid, key_ids, key_valid, query_count.shape[0], per_head)
+    flat_ids, flat_valid = query_ids.reshape(-1), query_valid.reshape(-1)
     # Per thread, in float64: Σ p log p, max entropy (column 0), self, previous, next, distance; and dropped rows.
     partial = np.zeros((threads, 6, heads))
     skipped = np.zeros(threads, np.int64)
     for t in numba.prange(threads):
         # The row as the sums hold it (their dtype: float64 weights may round to 0 or overflow in float32 sums, as
-        # in the torch path), 0 at ignored keys: contiguous, and in L1 for the scatter.
+        # in the torch path), 0 at ignored keys: contiguous, and in L1.
         row = np.empty((heads, len_k), sums.dtype)
         top = np.empty(len_k, sums.dtype)  # max over heads per key (ignored keys too): visible when > 0
         size = np.empty(len_k, sums.dtype)  # max over heads of |w| per key: nothing to add to S when 0 (causal)
-        visible = np.empty(len_k, np.bool_)
+        share = np.empty(len_k)  # the row's part of U per key: 1 / visible keys where visible
         mass = np.empty(heads)  # row sum over the valid keys, per head
         wlogw = np.empty(heads)  # Σ w log w over the valid keys, per head
         distance = np.empty(heads)  # Σ w |i - j| over the valid keys, per head
-        mean = np.empty(len_k)  # the sum over heads per key, for the mean of the heads
+        mean = np.empty((1, len_k), sums.dtype)  # the mean of the heads per key, as the sums hold it
+        total_of_heads = np.empty(len_k)
+        # A group of several kept rows (one query id, one sample), summed per key in float64.
+        group = np.empty((channels, len_k))
+        group_share = np.empty(len_k)
+        group_size = np.empty(len_k, sums.dtype)
+        kept = 0  # rows in the group
         acc = partial[t]
-        for n in range(batch):
+        for r in range(rows.size):
+            if not (flat_valid[rows[r]] and owner[flat_ids[rows[r]]] == t):
+                continue
+            n, i = divmod(rows[r], len_q)
+            a = query_ids[n, i]
+            # Whether the next row in the order is a valid row of this id and sample (the same thread's, then).
+            more = r + 1 < rows.size and flat_valid[rows[r + 1]] and flat_ids[rows[r + 1]] == a
+            more = more and rows[r + 1] // len_q == n
             kv = key_valid[n]
-            kid = key_ids[n]
-            by_id = np.argsort(kid)  # the order of the scatter (ids at ignored keys are skipped there)
-            for i in range(len_q):
-                if not query_valid[n, i]:
-                    continue
-                a = query_ids[n, i]
-                if owner[a] != t:
-                    continue
-                # The one read of the row from memory, vectorised: the pre-check, and the sums the position
-                # statistics need (for a row then dropped too: rare, and it saves a second pass).
-                finite = True
-                top[:] = -np.inf
-                size[:] = 0
-                for h in range(heads):
-                    total = 0.0
-                    plogp = 0.0
-                    far = 0.0
-                    for j in range(len_k):
-                        x = weights[n, h, i, j]
-                        finite &= math.isfinite(x)
-                        top[j] = max(top[j], x)
-                        size[j] = max(size[j], abs(x))
-                        row[h, j] = x if kv[j] else 0
-                        stored = np.float64(row[h, j])
-                        total += stored
-                        plogp += _xlogx(stored)
-                        far += stored * abs(i - j)
-                    mass[h] = total
-                    wlogw[h] = plogp
-                    distance[h] = far
-                if not (finite and top.max() > 0):  # like the torch path: a positive weight at any key
-                    skipped[t] += 1
-                    continue
+            # The one read of the row from memory, vectorised: the pre-check, and the sums the position statistics
+            # need (for a row then dropped too: rare, and it saves a second pass).
+            finite = True
+            top[:] = -np.inf
+            size[:] = 0
+            for h in range(heads):
+                total = 0.0
+                plogp = 0.0
+                far = 0.0
+                for j in range(len_k):
+                    x = weights[n, h, i, j]
+                    finite &= math.isfinite(x)
+                    top[j] = max(top[j], x)
+                    size[j] = max(size[j], abs(x))
+                    row[h, j] = x if kv[j] else 0
+                    stored = np.float64(row[h, j])
+                    total += stored
+                    plogp += _xlogx(stored)
+                    far += stored * abs(i - j)
+                mass[h] = total
+                wlogw[h] = plogp
+                distance[h] = far
+            keep = finite and top.max() > 0  # like the torch path: a positive weight at any key
+            if keep:
                 query_count[a] += 1
                 num_visible = 0
                 for j in range(len_k):
-                    visible[j] = kv[j] and top[j] > 0
-                    num_visible += visible[j]
+                    num_visible += kv[j] and top[j] > 0
                 acc[1, 0] += math.log(max(num_visible, 1))
-                if not per_head:  # the sum over heads per key, in the order the per-head sums add up
-                    mean[:] = 0
-                    for h in range(heads):
-                        for j in range(len_k):
-                            mean[j] += np.float64(row[h, j])
+                unit = 1.0 / max(num_visible, 1)
+                for j in range(len_k):
+                    share[j] = unit if kv[j] and top[j] > 0 else 0.0
                 # Position sums, per head. p = w / s renormalises over the valid keys (row sum s); Σ p log p =
                 # Σ w log w / s - log s, which float64 keeps exact to ~1e-13 even for tiny s (no mass: 0)...
                 for h in range(heads):
@@ -191,24 +244,33 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
                     acc[2, h] += row[h, i] if i < len_k else 0.0  # ignored keys are 0 in `row`
                     acc[3, h] += row[h, i - 1] if 0 < i <= len_k else 0.0
                     acc[4, h] += row[h, i + 1] if i + 1 < len_k else 0.0
-                # The scatter: every kept pair counts in C; visible keys share 1 in U; S only where some head is
-                # non-zero (half the keys under a causal mask).
-                base = a * key_vocab
-                share = 1.0 / max(num_visible, 1)
-                for j in by_id:
-                    if not kv[j]:
-                        continue
-                    cell = base + kid[j]
-                    pair_count[cell] += 1
-                    if visible[j]:
-                        sums[channels, cell] += share
-                    if size[j] == 0:
-                        continue
-                    if per_head:
-                        for h in range(heads):
-                            sums[h, cell] += row[h, j]
-                    else:
-                        sums[0, cell] += mean[j] / heads
+                if not per_head:  # the mean of the heads: their float64 sum per key in head order, over H
+                    total_of_heads[:] = 0
+                    for h in range(heads):
+                        for j in range(len_k):
+                            total_of_heads[j] += np.float64(row[h, j])
+                    for j in range(len_k):
+                        mean[0, j] = total_of_heads[j] / heads
+                values = row if per_head else mean
+                if kept > 0 or more:  # the row joins a group
+                    first = kept == 0
+                    kept += 1
+                    for j in range(len_k):
+                        group_share[j] = share[j] if first else group_share[j] + share[j]
+                        group_size[j] = size[j] if first else max(group_size[j], size[j])
+                    for c in range(channels):
+                        for j in range(len_k):
+                            add = np.float64(values[c, j])
+                            group[c, j] = add if first else group[c, j] + add
+            else:
+                skipped[t] += 1
+            base = a * key_vocab
+            sample_keys = keys[n, : key_count[n]]
+            if keep and kept == 0:  # a row alone: added as it is
+                _scatter(sums, pair_count, base, key_ids[n], sample_keys, 1, values, share, size)
+            elif kept > 0 and not more:  # the group's last row
+                _scatter(sums, pair_count, base, key_ids[n], sample_keys, kept, group, group_share, group_size)
+                kept = 0
     # A fixed order of addition: the result does not depend on which thread finished first.
     result = np.zeros((6, heads))
     dropped = 0

@@ -248,6 +248,20 @@ def test_numba_kernel_matches_naive_float64_loops():
     )
 
 
+@pytest.mark.parametrize("mean_of_heads", [False, True])
+def test_numba_kernel_adds_the_rows_of_one_query_id_in_a_sample_as_the_loops_do(mean_of_heads):
+    # one query id: every sample's valid rows form one group, the dropped rows (zero, NaN, inf) among them
+    case = make_case(batch=3, heads=2, len_q=7, len_k=8, vocab_q=1, vocab_k=3, causal=True, seed=13)
+    got = add_numba(new_state(2, 1, 3, mean_of_heads, dtype=torch.float64), case)
+    S, C, Q, skipped = naive_accumulate(*case, 1, 3)
+    want = S.mean(dim=0, keepdim=True) if mean_of_heads else S
+    torch.testing.assert_close(got["sums"][:-1].view_as(want), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["sums"][-1].view(1, 3), naive_uniform(*case, 1, 3), rtol=1e-12, atol=1e-12)
+    assert torch.equal(got["pair_count"].view(1, 3).double(), C)
+    assert torch.equal(got["query_count"].double(), Q) and got["skipped"] == skipped == 3
+    assert Q[0] > case[0].shape[0], "groups of several rows"
+
+
 @pytest.mark.parametrize(("where", "bad"), [("query", 7), ("query", -1), ("key", 7), ("key", -100)])
 def test_numba_kernel_rejects_out_of_range_ids_at_valid_positions(where, bad):
     weights, query_ids, key_ids, query_valid, key_valid = make_case(special_rows=False, seed=9)
