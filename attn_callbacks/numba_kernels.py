@@ -4,11 +4,12 @@ The torch path (:func:`attn_callbacks.kernels.accumulate_attention_torch`, the r
 weights several times (masking copy, scatter, row sums, ``Σ w log w``, distance) and scatters through a
 ``(B, Lq, Lk)`` pair index. This kernel reads each query row's ``H × Lk`` weights from memory once, in one vectorised
 pass that decides whether the row is kept (finite, some positive weight) and sums what the position statistics need.
-It computes the same sums as the torch path, on the same packed layout, in place. The scatter into ``S``, ``U`` and
-``C`` dominates, so the kernel does less of it: it visits a batch's rows by query id, sums the kept rows of one id in
-one sample in L1 (they add to the same cells) and scatters each such group once, sweeping the group's row of ``S``,
-``U`` and ``C`` upwards in key id order; the next group of the same id finds that row in cache (Zipf ids on the
-stress workload's shapes: ~10 -> ~7 ms a module and batch on 2 threads).
+It computes the same sums as the torch path, on the same packed layout, in place. Consecutive kept rows of one query
+id in one sample add to the same cells: they are summed in L1 and scattered into ``S``, ``U`` and ``C`` once, each
+key in the order of its id, so that the row of the sums is swept upwards (25-35 % faster than in position order).
+Per head, where the scatter into H + 1 planes dominates, the rows go by query id, so that most rows join a group and
+the next sample's group of an id finds its row of the sums in cache (inside steady stress epochs on 2 threads: the
+kernel's time 0.70 -> 0.61 s an epoch).
 
 Threads split the work by query id, so no two threads ever write the same row of ``S``/``U``/``C`` or the same cell
 of ``Q``: no atomics, and a result that does not depend on scheduling. Each batch's ids are dealt to the threads by
@@ -182,8 +183,9 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
         wlogw = np.empty(heads)  # Σ w log w over the valid keys, per head
         distance = np.empty(heads)  # Σ w |i - j| over the valid keys, per head
         mean = np.empty((1, len_k), sums.dtype)  # the mean of the heads per key, as the sums hold it
-        total_of_heads = np.empty(len_k)
-        # A group of several kept rows (one query id, one sample), summed per key in float64.
+        total_of_heads = np.empty(len_k)  # their float64 sum, in head order
+        # A group of several kept rows (one query id, one sample), summed per key in float64; a row alone is
+        # scattered as it is.
         group = np.empty((channels, len_k))
         group_share = np.empty(len_k)
         group_size = np.empty(len_k, sums.dtype)
