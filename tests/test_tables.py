@@ -166,32 +166,40 @@ def test_one_way_pairs_keeps_a_nan_score_first_and_k_must_not_be_negative(numba,
         F.top_pairs(p, counts, k=-2)
 
 
-@pytest.mark.parametrize("numba", ["1", "0"])
-def test_lift_pairs_table_ranks_the_lift_of_every_supported_pair_as_a_python_sort_does(numba, monkeypatch):
-    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
+def five_pair_tables(sums, counts, query_count, uniform, mass, *, square, min_support):
+    """The tables of one module with these sums (``sums`` per head) and ``P̄ = mass``: every token shown, labelled by
+    its id, 5 pairs a table."""
     from attn_callbacks.accumulate import AttentionStats
     from attn_callbacks.tables import module_tables
 
+    vocab_q, vocab_k = mass.shape
+    stats = AttentionStats(sums, counts, query_count, torch.tensor(0), uniform, torch.zeros(6, sums.shape[0]))
+    tables, _ = module_tables(
+        stats,
+        mass,
+        square=square,
+        query_tokens=slice(0, vocab_q),
+        key_tokens=slice(0, vocab_k),
+        query_label=str,
+        key_label=str,
+        num_pairs=5,
+        min_support=min_support,
+    )
+    return tables
+
+
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_lift_pairs_table_ranks_the_lift_of_every_supported_pair_as_a_python_sort_does(numba, monkeypatch):
+    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
     gen = torch.Generator().manual_seed(3)
     heads, vocab = 2, 9
     sums = torch.rand(heads, vocab, vocab, generator=gen).round(decimals=1)  # ties
     uniform = torch.rand(vocab, vocab, generator=gen).round(decimals=1)  # zeros: lift 0 there
     counts = torch.randint(0, 4, (vocab, vocab), generator=gen)
     query_count = torch.randint(1, 5, (vocab,), generator=gen)
-    stats = AttentionStats(sums, counts, query_count, torch.tensor(0), uniform, torch.zeros(6, heads))
     sum_mean = sums.mean(dim=0)
     mass = sum_mean / query_count[:, None]
-    tables, _ = module_tables(
-        stats,
-        mass,
-        square=True,
-        query_tokens=slice(0, vocab),
-        key_tokens=slice(0, vocab),
-        query_label=str,
-        key_label=str,
-        num_pairs=5,
-        min_support=2,
-    )
+    tables = five_pair_tables(sums, counts, query_count, uniform, mass, square=True, min_support=2)
     # every pair seen at least twice, by lift (S̄ / U, 0 where U = 0) descending, then by flat index
     scored = [
         (-(float(sum_mean[a, b] / uniform[a, b]) if uniform[a, b] > 0 else 0.0), a * vocab + b)
@@ -220,27 +228,13 @@ def test_hubs_of_cross_attention_rank_equal_in_degrees_by_token(numba, monkeypat
     """Uniform attention (an untrained model): every key's in-degree is the same, exactly, so the hubs table lists
     the first tokens by id, on either path (a BLAS product may add a matrix's last columns in another order)."""
     monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
-    from attn_callbacks.accumulate import AttentionStats
-    from attn_callbacks.tables import module_tables
-
     vocab_q, vocab_k = 33, 72
     mass = torch.full((vocab_q, vocab_k), 1.0 / vocab_k)
     # counts whose float32 product with P̄ comes out larger in its last 8 columns than in the others
     query_count = torch.randint(1, 9, (vocab_q,), generator=torch.Generator().manual_seed(5))
     sums = (mass * query_count[:, None])[None]
     counts = torch.ones(vocab_q, vocab_k, dtype=torch.int64)
-    stats = AttentionStats(sums, counts, query_count, torch.tensor(0), counts.float() / vocab_k, torch.zeros(6, 1))
-    tables, _ = module_tables(
-        stats,
-        mass,
-        square=False,
-        query_tokens=slice(0, vocab_q),
-        key_tokens=slice(0, vocab_k),
-        query_label=str,
-        key_label=str,
-        num_pairs=5,
-        min_support=1,
-    )
+    tables = five_pair_tables(sums, counts, query_count, counts.float() / vocab_k, mass, square=False, min_support=1)
     rows = [line.split(" | ") for line in tables["hubs"].splitlines()[2:]]
     assert [row[0].strip("| ") for row in rows] == ["0", "1", "2", "3", "4"]
     assert [float(row[1].strip(" |")) for row in rows] == [pytest.approx(1 / vocab_k, abs=5e-4)] * 5
