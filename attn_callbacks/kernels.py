@@ -257,8 +257,10 @@ def accumulate_attention_torch(
     usable = finite & positive.any(dim=-1)
     rows = query_valid & usable
     skipped = (query_valid & ~usable).sum()
-    # Dropped and ignored rows add 0, at id 0 (ignored positions may hold any id: -100 for padding, say).
-    query_count.index_add_(0, torch.where(rows, query_ids.long(), 0).reshape(-1), rows.reshape(-1).long())
+    # Dropped and ignored rows add 0 (ignored positions may hold any id: -100 for padding, say), at the id of their
+    # position: spread, as pair_index spreads ignored pairs, not queued at one address on a GPU.
+    spread = torch.arange(len_q, device=query_ids.device) % max(query_count.numel(), 1)  # (Lq,)
+    query_count.index_add_(0, torch.where(rows, query_ids.long(), spread).reshape(-1), rows.reshape(-1).long())
     kept = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
     flat = pairs.reshape(batch, len_q * len_k)
     # Pairs of ignored positions point anywhere (see pair_index), and like the pairs of dropped rows, add 0 to C,
