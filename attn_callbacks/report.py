@@ -223,7 +223,7 @@ class Reporter:
         )
         mass = summary.mean_mass
         if derived is not None:
-            derived[name] = {"row_plogp": summary.plogp_heads.cpu(), "mean_mass": mass.cpu()}
+            derived[name] = {"row_plogp": summary.plogp_heads, "mean_mass": mass}  # drift memory moves them to the CPU
         log_layer(pl_module, {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()})
         self._warn(name, summary.heads.get("position/entropy_normalized"), stats)
         if writer is not None:

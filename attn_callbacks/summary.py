@@ -300,12 +300,14 @@ def drift_between(
         plogp_heads: :func:`row_plogp` of ``mass_heads`` when the caller has it.
     """
     device = mass_heads.device
-    args = (query_count, then.query_count.to(device), min_support)
-    js, frobenius, rows = attention_drift(head_mean(mass_heads), then.mean_mass.to(device), *args, row_divergence=True)
-    then_plogp = then.row_plogp.to(device) if plogp_heads is not None else None
-    js_heads, frobenius_heads = attention_drift(
-        mass_heads, then.attention_mass.to(device), *args, plogp_heads, then_plogp
-    )
+
+    def here(tensor: Tensor) -> Tensor:  # from drift memory's page-locked memory: asynchronous, in stream order
+        return tensor.to(device, non_blocking=True)
+
+    args = (query_count, here(then.query_count), min_support)
+    js, frobenius, rows = attention_drift(head_mean(mass_heads), here(then.mean_mass), *args, row_divergence=True)
+    then_plogp = here(then.row_plogp) if plogp_heads is not None else None
+    js_heads, frobenius_heads = attention_drift(mass_heads, here(then.attention_mass), *args, plogp_heads, then_plogp)
     return Drift(js, frobenius, rows, js_heads, frobenius_heads)
 
 

@@ -234,3 +234,30 @@ def test_drift_memory_hands_the_sums_the_memory_of_the_packed_state_a_retired_p_
     sums = torch.rand(heads + 1, vocab * vocab)
     other.remember(2, {"enc": (sums[:heads].view(heads, vocab, vocab), count, {})})
     assert "enc" in other._spare and other.state_buffer("enc", sums) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_drift_memory_keeps_a_gpu_p_in_page_locked_host_memory_and_reuses_a_retired_ones():
+    from attn_callbacks.drift import DriftMemory
+
+    heads, vocab = 2, 5
+    memory, kept = DriftMemory(), []
+    for epoch in range(4):
+        mass = torch.rand(heads, vocab, vocab, device="cuda")
+        count = torch.arange(vocab, device="cuda")
+        memory.remember(epoch, {"enc": (mass, count, {"mean_mass": mass.mean(dim=0)})})
+        snapshot = memory.previous["enc"]
+        assert all(part.device.type == "cpu" for part in snapshot.values())
+        assert snapshot["attention_mass"].is_pinned() and snapshot["mean_mass"].is_pinned()
+        assert torch.equal(snapshot["attention_mass"], mass.cpu()) and torch.equal(snapshot["query_count"], count.cpu())
+        assert torch.equal(snapshot["mean_mass"], mass.mean(dim=0).cpu())
+        assert torch.allclose(
+            snapshot["row_plogp"],
+            (mass / mass.sum(-1, keepdim=True)).xlogy_(mass / mass.sum(-1, keepdim=True)).sum(-1).cpu(),
+            atol=1e-6,
+        )
+        kept.append(snapshot["attention_mass"].data_ptr())
+    # Epoch 0 is the reference, so epoch 1's copy retires at epoch 2 and epoch 3 is copied into its memory.
+    assert kept[3] == kept[1] and len(set(kept[:3])) == 3
+    previous, reference = memory.snapshots("enc", torch.Size((heads, vocab, vocab)))
+    assert previous.attention_mass.data_ptr() == kept[3] and reference.attention_mass.data_ptr() == kept[0]
