@@ -90,11 +90,17 @@ class Painter:
 
 
 def log_layer(pl_module: LightningModule, scalars: dict[str, Tensor]) -> None:
-    """Layer scalars through ``LightningModule.log`` (every logger, ``callback_metrics``)."""
-    for tag, value in scalars.items():
+    """Layer scalars through ``LightningModule.log`` (every logger, ``callback_metrics``), as CPU tensors: moved
+    from the device in one copy, where Lightning would otherwise keep a result per tag on the device, each updated by
+    its own small kernels and read back with its own synchronisation."""
+    if not scalars:
+        return
+    device = next(iter(scalars.values())).device
+    values = torch.stack([value.detach().reshape(()).float().to(device) for value in scalars.values()]).cpu()
+    for tag, value in zip(scalars, values, strict=True):
         # Already summed over ranks by compute(): sync_dist would only average equal numbers. Our own dataloader
         # suffixes replace Lightning's, which would otherwise append one for the current dataloader.
-        pl_module.log(tag, value.float(), on_step=False, on_epoch=True, sync_dist=False, add_dataloader_idx=False)
+        pl_module.log(tag, value, on_step=False, on_epoch=True, sync_dist=False, add_dataloader_idx=False)
 
 
 def log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
