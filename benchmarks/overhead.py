@@ -1,6 +1,7 @@
 """What the monitor costs a validation epoch, as four figures from one interleaved run.
 
     python benchmarks/overhead.py [--batches 16] [--rounds 3] [--models stress,heavy] [--preset bert-base]
+        [--configs per-head,mean]
 
 Workloads (benchmarks/_workload.py): 4 × nn.TransformerEncoderLayer(256, 8 heads, feed-forward 1024), batch 32 ×
 length 128, Zipf(1) ids over 8,000 tracked to 2,048 + <other>; "stress" is the encoder alone, "heavy" adds a
@@ -112,11 +113,20 @@ def timed(model: Encoder | SdpaEncoder, batches: list[dict], callbacks: list) ->
     return validate(model, batches, callbacks)[0]
 
 
+# --configs name -> (the configuration's name in the output, the monitor's arguments)
+CONFIGS = {"per-head": ("monitor", {}), "mean": ("monitor per_head=False", {"per_head": False})}
+
+
 def run(
-    model: Encoder | SdpaEncoder, batches: list[dict], rounds: int, vocab: int, tracked: int
+    model: Encoder | SdpaEncoder,
+    batches: list[dict],
+    rounds: int,
+    vocab: int,
+    tracked: int,
+    chosen: tuple[str, ...] = tuple(CONFIGS),
 ) -> dict[str, dict[str, list[float]]]:
-    """Per configuration, the figures of every round."""
-    configs = {"monitor": {}, "monitor per_head=False": {"per_head": False}}
+    """Per configuration (``chosen`` of :data:`CONFIGS`), the figures of every round."""
+    configs = dict(CONFIGS[key] for key in chosen)
     steady = {name: TimedMonitor(vocab, "input_ids", max_tracked_tokens=tracked, **kw) for name, kw in configs.items()}
     seeds = itertools.count()  # of the nudges
 
@@ -155,7 +165,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (interleaved)")
     parser.add_argument("--models", default="stress,heavy,sdpa", help="comma-separated: stress, heavy, sdpa")
     parser.add_argument("--preset", default="stress", choices=sorted(PRESETS), help="the models' shapes")
+    parser.add_argument(
+        "--configs", default="per-head,mean", help="comma-separated: per-head (the default), mean (per_head=False)"
+    )
     args = parser.parse_args()
+    chosen = tuple(args.configs.split(","))
+    unknown = [key for key in chosen if key not in CONFIGS]
+    if unknown or not chosen:
+        parser.error(f"--configs: expected a comma-separated choice of {', '.join(CONFIGS)}, got {args.configs!r}")
     quiet()
     vocab, d_model, heads, layers, feedforward, batch, length, tracked = PRESETS[args.preset]
     print(
@@ -170,7 +187,7 @@ def main() -> None:
         torch.manual_seed(0)
         shapes = {"vocab": vocab, "d_model": d_model, "heads": heads, "layers": layers, "feedforward": feedforward}
         model = SdpaEncoder(**shapes) if model_name == "sdpa" else Encoder(**shapes, head=model_name == "heavy")
-        for config, rows in run(model.eval(), batches, args.rounds, vocab, tracked).items():
+        for config, rows in run(model.eval(), batches, args.rounds, vocab, tracked, chosen).items():
             for figure, values in rows.items():
                 print(f"{model_name:8} {config:24} {figure:16} {summary(values):>24}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
