@@ -347,8 +347,20 @@ def _to_host(tensor: Tensor, out: Tensor | None = None) -> Tensor:
     if tensor.device.type == "cpu":
         return tensor
     if out is None:
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        try:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        except RuntimeError as error:  # the driver refused page-locked memory: pageable, at the slower speed
+            if not _PAGEABLE:
+                _PAGEABLE.append(error)
+                rank_zero_warn(
+                    f"AttentionMonitor: no page-locked host memory for drift memory's copy of a {tuple(tensor.shape)} "
+                    f"P ({error}); keeping its copies in pageable memory, whose transfers are slower."
+                )
+            out = torch.empty(tensor.shape, dtype=tensor.dtype)
     return out.copy_(tensor, non_blocking=out.is_pinned())
+
+
+_PAGEABLE: list[BaseException] = []  # the error that refused page-locked memory, once one did (warned once)
 
 
 def _memory(tensor: Tensor) -> tuple[torch.device, int]:

@@ -261,3 +261,24 @@ def test_drift_memory_keeps_a_gpu_p_in_page_locked_host_memory_and_reuses_a_reti
     assert kept[3] == kept[1] and len(set(kept[:3])) == 3
     previous, reference = memory.snapshots("enc", torch.Size((heads, vocab, vocab)))
     assert previous.attention_mass.data_ptr() == kept[3] and reference.attention_mass.data_ptr() == kept[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_drift_memory_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
+    from attn_callbacks import drift
+
+    empty = torch.empty
+
+    def refusing(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("no page-locked memory")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(drift.torch, "empty", refusing)
+    monkeypatch.setattr(drift, "_PAGEABLE", [])
+    memory = drift.DriftMemory()
+    mass = torch.rand(2, 3, 3, device="cuda")
+    with pytest.warns(UserWarning, match="no page-locked host memory"):
+        memory.remember(0, {"enc": (mass, torch.ones(3, dtype=torch.long, device="cuda"), {})})
+    kept = memory.previous["enc"]["attention_mass"]
+    assert not kept.is_pinned() and torch.equal(kept, mass.cpu())
