@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -237,14 +238,16 @@ class DriftMemory:
             reference = None  # kept from before a resume into another model: nothing comparable
         return _complete(previous), _complete(reference)
 
-    def take_spare(self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+    def take_spare(
+        self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, pinned: bool = False
+    ) -> Tensor | None:
         """The module's spare buffer, if it can receive a ``P`` of this shape, dtype and device here (an inference
-        tensor can only be written inside inference mode, a normal one only outside); a spare that no longer fits
-        the model is dropped."""
+        tensor can only be written inside inference mode, a normal one only outside), in page-locked memory when
+        ``pinned``; a spare that no longer fits is dropped (a resumed checkpoint's pageable ``P`` included)."""
         spare = self._spare.get(name)
         if spare is None:
             return None
-        if (spare.shape, spare.dtype, spare.device) != (shape, dtype, device):
+        if (spare.shape, spare.dtype, spare.device) != (shape, dtype, device) or (pinned and not spare.is_pinned()):
             del self._spare[name]
             return None
         if spare.is_inference() != torch.is_inference_mode_enabled():
@@ -286,11 +289,15 @@ class DriftMemory:
             parts = {**derived}
             if "row_plogp" not in parts:
                 parts["row_plogp"] = row_plogp(mass)
-            on_device = mass.device.type != "cpu"
-            spare = self.take_spare(name, mass.shape, mass.dtype, torch.device("cpu")) if on_device else None
+            spare = None
+            if mass.device.type != "cpu":
+                spare = self.take_spare(name, mass.shape, mass.dtype, torch.device("cpu"), _pins(mass))
             parts = {key: _to_host(value) for key, value in parts.items()}
-            count = count.to("cpu", copy=True)
+            count = count.clone() if count.device.type == "cpu" else _to_host(count)
             snapshot[name] = {"attention_mass": _to_host(mass, spare), "query_count": count, **parts}
+            kept = self.reference.get(name)
+            if _pins(mass) and kept is not None:  # a resumed checkpoint's reference: pinned once, for its copies back
+                kept.update({key: _to_host(value, pin=True) for key, value in kept.items()})
         for device in {mass.device for mass, _, _ in masses.values() if mass.is_cuda}:
             torch.cuda.synchronize(device)  # the copies into pinned memory are asynchronous: done before any host read
         retired, kept = self.previous, self.reference
@@ -338,26 +345,39 @@ class DriftMemory:
         self._spare.clear()
 
 
-def _to_host(tensor: Tensor, out: Tensor | None = None) -> Tensor:
-    """``tensor`` on the CPU: itself there, else copied into ``out`` or into new page-locked memory, asynchronously
-    (the caller synchronises). From a GPU, a copy into pageable memory goes through a staging buffer at a fraction of
-    the bus' speed (drift memory moves ``P`` out at every epoch end, and back in for the comparisons: ~0.2 s for a
-    BERT-base model from pageable memory); page-locked memory cannot be swapped out, which memory read every epoch
-    never should be anyway."""
-    if tensor.device.type == "cpu":
+def _to_host(tensor: Tensor, out: Tensor | None = None, pin: bool = False) -> Tensor:
+    """``tensor`` on the CPU: itself there (with ``pin``, a page-locked copy of it where it is not), else copied into
+    ``out`` or into new page-locked memory, asynchronously from a GPU (the caller synchronises). From a GPU, a copy
+    into pageable memory goes through a staging buffer at a fraction of the bus' speed (drift memory moves ``P`` out
+    at every epoch end, and back in for the comparisons: ~0.2 s for a BERT-base model from pageable memory);
+    page-locked memory cannot be swapped out, which memory read every epoch never should be anyway."""
+    if tensor.device.type == "cpu" and not (pin and not tensor.is_pinned() and not _PAGEABLE):
         return tensor
     if out is None:
+        out = _host_empty(tensor, pin or _pins(tensor))
+    return out.copy_(tensor, non_blocking=tensor.is_cuda and out.is_pinned())
+
+
+def _pins(tensor: Tensor) -> bool:
+    """Whether host copies of ``tensor`` go to page-locked memory: from a CUDA device, unless the driver refused."""
+    return tensor.is_cuda and not _PAGEABLE
+
+
+def _host_empty(like: Tensor, pin: bool) -> Tensor:
+    """Host memory for a copy of ``like``, page-locked when ``pin``; pageable, with one warning per process, when the
+    driver refuses page-locked memory (and from then on)."""
+    if pin:
         try:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-        except RuntimeError as error:  # the driver refused page-locked memory: pageable, at the slower speed
-            if not _PAGEABLE:
-                _PAGEABLE.append(error)
-                rank_zero_warn(
-                    f"AttentionMonitor: no page-locked host memory for drift memory's copy of a {tuple(tensor.shape)} "
-                    f"P ({error}); keeping its copies in pageable memory, whose transfers are slower."
-                )
-            out = torch.empty(tensor.shape, dtype=tensor.dtype)
-    return out.copy_(tensor, non_blocking=out.is_pinned())
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        except RuntimeError as error:
+            _PAGEABLE.append(error)
+            # Every rank copies for itself: warned on each, not only on rank 0.
+            warnings.warn(
+                f"AttentionMonitor: no page-locked host memory for drift memory's copy of a {tuple(like.shape)} "
+                f"tensor ({error}); keeping its copies in pageable memory, whose transfers are slower.",
+                stacklevel=2,
+            )
+    return torch.empty(like.shape, dtype=like.dtype)
 
 
 _PAGEABLE: list[BaseException] = []  # the error that refused page-locked memory, once one did (warned once)

@@ -259,7 +259,9 @@ def accumulate_attention_torch(
     skipped = (query_valid & ~usable).sum()
     # Dropped and ignored rows add 0 (ignored positions may hold any id: -100 for padding, say), at the id of their
     # position: spread, as pair_index spreads ignored pairs, not queued at one address on a GPU.
-    spread = torch.arange(len_q, device=query_ids.device) % max(query_count.numel(), 1)  # (Lq,)
+    spread = torch.arange(len_q, device=query_ids.device)  # (Lq,)
+    if len_q > query_count.numel():
+        spread %= max(query_count.numel(), 1)
     query_count.index_add_(0, torch.where(rows, query_ids.long(), spread).reshape(-1), rows.reshape(-1).long())
     kept = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
     flat = pairs.reshape(batch, len_q * len_k)

@@ -200,8 +200,8 @@ class Reporter:
     ) -> ModuleSummary | None:
         """Log one module's scalars, images and tables; return its numbers (None when it saw no query token), whose
         per-head ones the caller logs. With ``derived``, what drift memory keeps of this epoch's numbers
-        (``row_plogp``, ``mean_mass`` on the CPU) goes there. The tables and images are not made here: a call that
-        makes them is appended to ``tables`` and to ``draws``, for the caller to run."""
+        (``row_plogp``, ``mean_mass``, on ``P``'s device) goes there. The tables and images are not made here: a call
+        that makes them is appended to ``tables`` and to ``draws``, for the caller to run."""
         if int(stats.query_count.sum()) == 0:
             return None  # nothing seen by this module (or this dataloader): no numbers to log
         layer = name or "attention"

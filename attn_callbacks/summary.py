@@ -301,8 +301,8 @@ def drift_between(
     """
     device = mass_heads.device
 
-    def here(tensor: Tensor) -> Tensor:  # from drift memory's page-locked memory: asynchronous, in stream order
-        return tensor.to(device, non_blocking=True)
+    def here(tensor: Tensor) -> Tensor:  # to a GPU from page-locked memory: asynchronous, in stream order
+        return tensor.to(device, non_blocking=device.type == "cuda" and tensor.is_pinned())
 
     args = (query_count, here(then.query_count), min_support)
     js, frobenius, rows = attention_drift(head_mean(mass_heads), here(then.mean_mass), *args, row_divergence=True)

@@ -261,6 +261,20 @@ def test_drift_memory_keeps_a_gpu_p_in_page_locked_host_memory_and_reuses_a_reti
     assert kept[3] == kept[1] and len(set(kept[:3])) == 3
     previous, reference = memory.snapshots("enc", torch.Size((heads, vocab, vocab)))
     assert previous.attention_mass.data_ptr() == kept[3] and reference.attention_mass.data_ptr() == kept[0]
+    # A resumed checkpoint's snapshots lie in pageable memory: the reference is pinned at the next epoch end, and
+    # the retired previous one is not reused as a spare.
+    state = memory.state_dict()
+    for part in ("previous", "reference"):
+        state[part] = {n: {k: torch.from_numpy(v.numpy().copy()) for k, v in m.items()} for n, m in state[part].items()}
+    resumed = DriftMemory()
+    resumed.load_state_dict(state)
+    reference_mass = state["reference"]["enc"]["attention_mass"]
+    for epoch in (4, 5, 6):
+        mass = torch.rand(heads, vocab, vocab, device="cuda")
+        resumed.remember(epoch, {"enc": (mass, torch.arange(vocab, device="cuda"), {})})
+        assert all(part.is_pinned() for m in (resumed.previous, resumed.reference) for part in m["enc"].values())
+        assert torch.equal(resumed.previous["enc"]["attention_mass"], mass.cpu())
+    assert torch.equal(resumed.reference["enc"]["attention_mass"], reference_mass)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
