@@ -351,10 +351,11 @@ def _to_host(tensor: Tensor, out: Tensor | None = None, pin: bool = False) -> Te
     into pageable memory goes through a staging buffer at a fraction of the bus' speed (drift memory moves ``P`` out
     at every epoch end, and back in for the comparisons: ~0.2 s for a BERT-base model from pageable memory);
     page-locked memory cannot be swapped out, which memory read every epoch never should be anyway."""
-    if tensor.device.type == "cpu" and not (pin and not tensor.is_pinned() and not _PAGEABLE):
+    pin = (pin or tensor.is_cuda) and not _PAGEABLE
+    if tensor.device.type == "cpu" and (not pin or tensor.is_pinned()):
         return tensor
     if out is None:
-        out = _host_empty(tensor, pin or _pins(tensor))
+        out = _host_empty(tensor, pin)
     return out.copy_(tensor, non_blocking=tensor.is_cuda and out.is_pinned())
 
 

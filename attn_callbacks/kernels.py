@@ -68,9 +68,17 @@ def pair_index(
     """
     flat = query_ids.long()[:, :, None] * key_vocab_size + key_ids.long()[:, None, :]  # (B, Lq, Lk)
     len_q, len_k = flat.shape[1:]
-    cells = max(query_vocab_size * key_vocab_size, 1)
-    position = (torch.arange(len_q * len_k, device=flat.device) % cells).view(len_q, len_k)  # (Lq, Lk)
+    position = _spread(len_q * len_k, query_vocab_size * key_vocab_size, flat.device).view(len_q, len_k)  # (Lq, Lk)
     return torch.where(query_valid[:, :, None] & key_valid[:, None, :], flat, position)
+
+
+def _spread(positions: int, cells: int, device: torch.device) -> Tensor:
+    """``arange(positions) mod cells``: where the positions of ignored entries add their zeros, one cell each (a
+    GPU's atomic adds aimed at one cell would queue)."""
+    spread = torch.arange(positions, device=device)
+    if positions > cells:
+        spread %= max(cells, 1)
+    return spread
 
 
 #: Set to ``0`` to run the torch code on CPU too, instead of the numba kernel (read at every call).
@@ -259,9 +267,7 @@ def accumulate_attention_torch(
     skipped = (query_valid & ~usable).sum()
     # Dropped and ignored rows add 0 (ignored positions may hold any id: -100 for padding, say), at the id of their
     # position: spread, as pair_index spreads ignored pairs, not queued at one address on a GPU.
-    spread = torch.arange(len_q, device=query_ids.device)  # (Lq,)
-    if len_q > query_count.numel():
-        spread %= max(query_count.numel(), 1)
+    spread = _spread(len_q, query_count.numel(), query_ids.device)  # (Lq,)
     query_count.index_add_(0, torch.where(rows, query_ids.long(), spread).reshape(-1), rows.reshape(-1).long())
     kept = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
     flat = pairs.reshape(batch, len_q * len_k)

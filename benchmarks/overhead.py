@@ -171,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     chosen = tuple(args.configs.split(","))
     unknown = [key for key in chosen if key not in CONFIGS]
-    if unknown or not chosen:
+    if unknown:
         parser.error(f"--configs: expected a comma-separated choice of {', '.join(CONFIGS)}, got {args.configs!r}")
     quiet()
     vocab, d_model, heads, layers, feedforward, batch, length, tracked = PRESETS[args.preset]
