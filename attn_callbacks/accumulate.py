@@ -157,6 +157,7 @@ class AttentionAccumulator(SummedMetric):
         query_valid: Tensor,
         key_valid: Tensor,
         pairs: Tensor | None = None,
+        hot_cell: int | None = None,
     ) -> None:
         """Add one batch of weights ``(B, H, Lq, Lk)`` with the ``(B, Lq)`` / ``(B, Lk)`` ids and validity of its
         queries and keys (ids in ``[0, Vq)`` / ``[0, Vk)`` at valid positions).
@@ -164,7 +165,7 @@ class AttentionAccumulator(SummedMetric):
         ``pairs`` is :func:`attn_callbacks.functional.pair_index` of the ids, when the caller already has it (it
         depends on the ids only, so modules reading the same streams can share it); computed from the ids when the
         torch kernel needs it. The numba kernel (on CPU, see :func:`attn_callbacks.kernels.uses_numba`) reads the ids
-        instead.
+        instead. ``hot_cell``: see :func:`attn_callbacks.kernels.accumulate_attention`.
         """
         if self.summed_in_place:
             raise RuntimeError(
@@ -184,6 +185,7 @@ class AttentionAccumulator(SummedMetric):
             query_valid,
             key_valid,
             key_ids=key_ids,
+            hot_cell=hot_cell,
         )
         self.skipped_rows += skipped
 
@@ -348,9 +350,11 @@ class EpochSums:
         query: tuple[Tensor, Tensor],
         key: tuple[Tensor, Tensor],
         rows: slice | None = None,
+        other: tuple[int, int] | None = None,
     ) -> None:
         """Add one call's weights ``(b, H, Lq, Lk)`` with the ``(ids, valid)`` of its query and key stream, for the
-        samples ``rows`` of the batch (all when None; the later chunks of a call are not another call)."""
+        samples ``rows`` of the batch (all when None; the later chunks of a call are not another call). ``other``: the
+        accumulated ids of ``<other>`` in both streams, where both are tracked (their cell is summed apart on a GPU)."""
         first = rows is None or rows.start == 0
         if first and name in self._calls and name not in self._warned:
             self._warned.add(name)
@@ -371,7 +375,8 @@ class EpochSums:
             if pairs is None or pairs.device != weights.device:
                 pairs = pair_index(query[0], key[0], query[1], key[1], metric.query_vocab_size, metric.key_vocab_size)
                 self._pairs[where] = pairs
-        metric.update(weights, query[0], key[0], query[1], key[1], pairs=pairs)
+        hot_cell = None if other is None else other[0] * metric.key_vocab_size + other[1]
+        metric.update(weights, query[0], key[0], query[1], key[1], pairs=pairs, hot_cell=hot_cell)
 
     def agree(self, device: torch.device) -> dict[str, tuple[int, int, int]]:
         """Under DDP, give every process the sums that any process allocated mid-epoch (zeroed where it never saw that

@@ -465,7 +465,9 @@ class AttentionMonitor(Callback):
         self._probe.keep(name, weights, rows)
         if self._probe.only:
             return
-        self._sums.add(name, self._dataloader_idx, streams, weights, query, key, rows)
+        query_other, key_other = (self._streams.other_index(stream) for stream in streams)
+        other = None if query_other is None or key_other is None else (query_other, key_other)
+        self._sums.add(name, self._dataloader_idx, streams, weights, query, key, rows, other)
 
     def _base(self, name: str) -> str:
         """The module of a name: a module's k-th SDPA call, ``f"{module}.call{k}"``, is the module's."""

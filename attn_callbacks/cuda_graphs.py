@@ -112,9 +112,12 @@ def _capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def graphed(step: Callable[..., Tensor], state: Sequence[Tensor], inputs: Sequence[Tensor]) -> Tensor | None:
+def graphed(
+    step: Callable[..., Tensor], state: Sequence[Tensor], inputs: Sequence[Tensor], constants: tuple = ()
+) -> Tensor | None:
     """``step(*state, *inputs)`` as a replay of a CUDA graph, where one is captured or due; None where the caller must
-    run ``step`` itself (the first time a (state, shapes) pair is seen, or past the limits).
+    run ``step`` itself (the first time a (state, shapes) pair is seen, or past the limits). ``constants`` are the
+    Python values ``step`` is specialised on: a graph is kept per (state, shapes, constants).
 
     ``step`` must add to ``state`` in place, depend on nothing but its arguments' values and shapes, never sync with
     the host, call no cuBLAS routine (a graph holding one reads a per-stream workspace that torch frees when another
@@ -125,7 +128,7 @@ def graphed(step: Callable[..., Tensor], state: Sequence[Tensor], inputs: Sequen
     if _CACHE.home.setdefault(device, torch.cuda.current_stream(device)) != torch.cuda.current_stream(device):
         return None  # replays on two streams could overlap in the shared inputs and scratch memory
     signature = (device, *((tuple(t.shape), t.dtype) for t in inputs))
-    key = (tuple(t.data_ptr() for t in state), signature)
+    key = (tuple(t.data_ptr() for t in state), signature, constants)
     found = _CACHE.graphs.get(key)
     if found is not None and not found.writes(state):  # the state it wrote was freed and its address reused
         forget_dead()

@@ -8,6 +8,7 @@ pairs and ``Q[a]`` (query count) the valid query positions holding ``a``. Rows a
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
@@ -136,6 +137,7 @@ def accumulate_attention(
     key_valid: Tensor,
     *,
     key_ids: Tensor | None = None,
+    hot_cell: int | None = None,
 ) -> Tensor:
     """The fast path: add one batch to packed running sums, in place, without a host sync; deterministic on CPU.
 
@@ -164,6 +166,9 @@ def accumulate_attention(
         query_valid: ``(B, Lq)`` bool.
         key_valid: ``(B, Lk)`` bool.
         key_ids: ``(B, Lk)`` integer ids in ``[0, Vk)`` at valid positions, or None with ``pairs``.
+        hot_cell: the flat index ``a * Vk + b`` of a cell that many pairs hit, such as ``(<other>, <other>)`` of
+            tracked streams: off the CPU its pairs are summed apart (see :func:`accumulate_attention_torch`). The
+            same sums.
 
     Returns:
         A 0-dim int64 tensor: the number of valid query rows dropped for non-finite or all-zero weights.
@@ -190,21 +195,18 @@ def accumulate_attention(
         return kernels.accumulate_attention_numba(
             sums, pair_count, query_count, position_sums, weights, query_ids, key_ids, query_valid, key_valid
         )
+    # On CPU, index_add_ adds one pair after another: a hot cell costs nothing there that summing it apart would save.
+    hot_cell = None if weights.device.type == "cpu" else hot_cell
+    state = (sums, pair_count, query_count, position_sums)
+    step = functools.partial(_pairs_and_step, hot_cell=hot_cell)
     if key_ids is not None and weights.numel() > 0 and graphs_apply(weights):
-        skipped = graphed(
-            _pairs_and_step,
-            (sums, pair_count, query_count, position_sums),
-            (weights, query_ids, key_ids, query_valid, key_valid),
-        )
+        inputs = (weights, query_ids, key_ids, query_valid, key_valid)
+        skipped = graphed(step, state, inputs, constants=(hot_cell,))
         if skipped is not None:
             return skipped
     if pairs is None:
-        return _pairs_and_step(
-            sums, pair_count, query_count, position_sums, weights, query_ids, key_ids, query_valid, key_valid
-        )
-    return accumulate_attention_torch(
-        sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid
-    )
+        return step(*state, weights, query_ids, key_ids, query_valid, key_valid)
+    return accumulate_attention_torch(*state, weights, pairs, query_ids, query_valid, key_valid, hot_cell=hot_cell)
 
 
 def _pairs_and_step(
@@ -217,14 +219,14 @@ def _pairs_and_step(
     key_ids: Tensor,
     query_valid: Tensor,
     key_valid: Tensor,
+    hot_cell: int | None = None,
 ) -> Tensor:
     """The torch step from the ids, the pair index made inside it: op by op without a shared index, and as a CUDA
     graph captures and replays it."""
     vocab_q = query_count.numel()
     pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, pair_count.numel() // max(vocab_q, 1))
-    return accumulate_attention_torch(
-        sums, pair_count, query_count, position_sums, weights, pairs, query_ids, query_valid, key_valid
-    )
+    state = (sums, pair_count, query_count, position_sums)
+    return accumulate_attention_torch(*state, weights, pairs, query_ids, query_valid, key_valid, hot_cell=hot_cell)
 
 
 def _key_ids_from_pairs(pairs: Tensor, query_ids: Tensor, query_valid: Tensor, key_valid: Tensor, vocab_k: int):
@@ -246,6 +248,8 @@ def accumulate_attention_torch(
     query_ids: Tensor,
     query_valid: Tensor,
     key_valid: Tensor,
+    *,
+    hot_cell: int | None = None,
 ) -> Tensor:
     """The torch code of :func:`accumulate_attention` (same arguments, ``pairs`` required): the GPU path, the CPU path
     without numba, and the reference the numba kernel is tested against.
@@ -254,6 +258,10 @@ def accumulate_attention_torch(
     passes (the scatter, the row sums, ``Σ w log w``, the diagonals and the distance). On GPU the whole batch is one
     chunk, and the op count is what costs: a BERT-base batch's kernels take microseconds each, their launches from
     Python about as long, so every position statistic is a view or a reduction of the masked weights.
+
+    A GPU's atomic adds aimed at one cell queue one behind another: with ``hot_cell``, the pairs of that cell are
+    summed apart, one reduction per plane, and scatter 0 at their position's cell instead (on an H200, the scatter of a
+    BERT-base step whose ids fold ~10 % of its pairs into ``(<other>, <other>)``: 0.44 ms, 0.32 ms with them apart).
     """
     batch, num_heads, len_q, len_k = weights.shape
     dtype = sums.dtype
@@ -273,7 +281,13 @@ def accumulate_attention_torch(
     flat = pairs.reshape(batch, len_q * len_k)
     # Pairs of ignored positions point anywhere (see pair_index), and like the pairs of dropped rows, add 0 to C,
     # S and U.
-    pair_count.index_add_(0, flat.reshape(-1), kept.reshape(-1).to(pair_count.dtype))
+    hot, counted = None, kept
+    if hot_cell is not None:
+        hot = flat == hot_cell  # (B, Lq * Lk); pairs that add 0 may be among them, and add 0 here too
+        flat = torch.where(hot, _spread(len_q * len_k, sums.shape[1], flat.device), flat)
+        pair_count[hot_cell] += (hot & kept.view(batch, -1)).sum()
+        counted = kept & ~hot.view_as(kept)
+    pair_count.index_add_(0, flat.reshape(-1), counted.reshape(-1).to(pair_count.dtype))
 
     visible = positive & kept  # (B, Lq, Lk)
     # #visible keys, 1 for a row with none: such a row adds nothing to U, and log 1 = 0 to the maximum entropy.
@@ -301,7 +315,6 @@ def accumulate_attention_torch(
         if channels != num_heads:
             torch.mean(w, dim=0, out=source[0])
         torch.div(visible[start:stop], num_visible[start:stop, :, None], out=source[channels])  # U: 1 / #visible
-        sums.index_add_(1, flat[start:stop].reshape(-1), source.view(channels + 1, -1))
         flat_w = w.view(num_heads, size, len_q * len_k)
         # Σ_ij w |i - j|; in a CUDA graph without cuBLAS: the graph would hold the address of a per-stream cuBLAS
         # workspace that torch frees when any graph captured on that stream is destroyed (pytorch#193402).
@@ -319,6 +332,12 @@ def accumulate_attention_torch(
             ]
         )  # (len(POSITION_STATS), H)
         position_sums += part.to(position_sums.dtype)
+        planes = source.view(channels + 1, -1)
+        if hot is not None:  # after the position sums, which read w: a view of these planes
+            hot_part = hot[start:stop].reshape(-1)  # (b * Lq * Lk,)
+            sums[:, hot_cell] += torch.where(hot_part, planes, zero).sum(dim=1)
+            planes.masked_fill_(hot_part, 0)
+        sums.index_add_(1, flat[start:stop].reshape(-1), planes)
     return skipped
 
 

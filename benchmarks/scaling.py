@@ -39,16 +39,23 @@ def make_step(
     mean_of_heads: bool = False,
     distribution: str = "zipf",
     path: str = "dispatch",
+    full_vocab: int | None = None,
+    apart: bool = True,
 ) -> Callable[[], None]:
     """One step on fresh sums; ``path``: ``dispatch`` (what the callback runs), ``torch`` (the torch code, with its
-    pair index) or ``numba`` (the kernel, from the ids)."""
+    pair index) or ``numba`` (the kernel, from the ids). With ``full_vocab``, ids are drawn over that many and all
+    past the first ``vocab - 1`` fold into ``<other>`` (the last id), as a tracked stream's do; ``apart``: the
+    ``(<other>, <other>)`` cell is then summed apart off the CPU, as the callback does."""
     g = torch.Generator().manual_seed(0)
     weights = torch.randn(batch, heads, length, length, generator=g).softmax(dim=-1).to(DEVICE)
+    drawn = full_vocab or vocab
     if distribution == "zipf":
-        probs = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+        probs = 1.0 / torch.arange(1, drawn + 1, dtype=torch.float64)
     else:
-        probs = torch.ones(vocab, dtype=torch.float64)
-    ids = torch.multinomial(probs, batch * length, replacement=True, generator=g).view(batch, length).to(DEVICE)
+        probs = torch.ones(drawn, dtype=torch.float64)
+    ids = torch.multinomial(probs, batch * length, replacement=True, generator=g).view(batch, length)
+    ids = ids.clamp(max=vocab - 1).to(DEVICE)
+    hot_cell = vocab * vocab - 1 if full_vocab and apart else None
     valid = torch.ones(batch, length, dtype=torch.bool, device=DEVICE)
     channels = 1 if mean_of_heads else heads
     sums = torch.zeros(channels + 1, vocab * vocab, device=DEVICE)
@@ -65,7 +72,7 @@ def make_step(
             F.accumulate_attention(*state, weights, None, ids, valid, valid, key_ids=ids)
         else:  # a CUDA graph of the step makes its own pair index; op by op, the step takes this one
             pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)
-            F.accumulate_attention(*state, weights, pairs, ids, valid, valid, key_ids=ids)
+            F.accumulate_attention(*state, weights, pairs, ids, valid, valid, key_ids=ids, hot_cell=hot_cell)
 
     return step
 
@@ -76,13 +83,13 @@ def step_seconds(*args, **kwargs) -> float:
 
 
 def profile_step(steps: int = 10) -> None:
-    """torch.profiler's table of one step's operations at the base shape and at BERT-base's (12 heads, 1,025 ids), by
-    their time on the device: on a GPU, which kernels the time goes to."""
+    """torch.profiler's table of one step's operations at the base shape and at BERT-base's (12 heads, Zipf ids over
+    30,522 tracked to 1,025), by their time on the device: on a GPU, which kernels the time goes to."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    for name, (heads, vocab) in {"base": (BASE["H"], BASE["V"]), "bert-base": (12, 1025)}.items():
-        step = make_step(BASE["B"], BASE["L"], heads, vocab)
+    for name, (heads, vocab, full) in {"base": (BASE["H"], BASE["V"], None), "bert-base": (12, 1025, 30522)}.items():
+        step = make_step(BASE["B"], BASE["L"], heads, vocab, full_vocab=full)
         step()
         with profile(activities=activities) as prof:
             for _ in range(steps):
@@ -115,16 +122,24 @@ def compare_paths() -> None:
 def compare_graphs(steps: int = 20, rounds: int = 5) -> None:
     """On a GPU: the step replayed as a CUDA graph against the same step op by op, at the base shape and BERT-base's,
     interleaved round by round. ``wall`` waits for the device after each step (the step's latency); ``host`` is the
-    time the Python thread spends issuing a step when it does not wait: what a model's own launches wait for."""
-    shapes = {"base": (BASE["H"], BASE["V"], False), "bert-base": (12, 1025, False), "bert-base mean": (12, 1025, True)}
+    time the Python thread spends issuing a step when it does not wait: what a model's own launches wait for. At
+    BERT-base's shapes the ids are Zipf over 30,522 tracked to 1,025, as in ``overhead.py --preset bert-base``; the
+    row ``not apart`` scatters the ``(<other>, <other>)`` cell with the rest instead of summing it apart."""
+    bert = (12, 1025, 30522)
+    shapes = {
+        "base": (BASE["H"], BASE["V"], None, False, True),
+        "bert-base": (*bert, False, True),
+        "bert-base mean": (*bert, True, True),
+        "not apart": (*bert, False, False),
+    }
     print(f"\nCUDA graph vs op by op, B={BASE['B']} L={BASE['L']}, ms per step, median of {rounds} rounds")
     print(f"{'shape':15} {'wall graph':>11} {'host graph':>11} {'wall ops':>9} {'host ops':>9}")
-    for name, (heads, vocab, mean_of_heads) in shapes.items():
+    for name, (heads, vocab, full, mean_of_heads, apart) in shapes.items():
         ms: dict[str, list[float]] = {}
         for _ in range(rounds):
             for mode in ("graph", "ops"):
                 os.environ[GRAPH_SWITCH] = "1" if mode == "graph" else "0"
-                step = make_step(BASE["B"], BASE["L"], heads, vocab, mean_of_heads)
+                step = make_step(BASE["B"], BASE["L"], heads, vocab, mean_of_heads, full_vocab=full, apart=apart)
                 step()
                 ms.setdefault(f"wall {mode}", []).append(best_of(step) * 1e3)  # its warm-up captures the graph
                 torch.cuda.synchronize()

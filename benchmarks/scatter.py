@@ -2,7 +2,9 @@
 13 channels (12 heads and the uniform baseline) × 32 × 128 × 128 pairs into ``(13, V²)`` sums, V = 1,025 (1,024
 tracked ids and ``<other>``), with the pair indices of Zipf(1) ids over 30,522 (~10 % of the pairs in the one cell
 ``(<other>, <other>)``), of those with that cell's pairs spread over others, of uniform ids, and with 20 % of the
-pairs ignored (padding) sent to one cell or spread by position as :func:`attn_callbacks.kernels.pair_index` does.
+pairs ignored (padding) sent to one cell or spread by position as :func:`attn_callbacks.kernels.pair_index` does;
+last, what the torch step does with the Zipf ids: that cell's pairs summed apart (a masked sum per channel, then the
+pairs zeroed and sent to their position's cell), everything included.
 
     python benchmarks/scatter.py
 
@@ -78,6 +80,18 @@ def main() -> None:
     for label, index in indices.items():
         ms = milliseconds(lambda index=index: sums.index_add_(1, index, values), device)
         print(f"{label:34} {ms:7.3f} {ms / base:10.2f}")
+    hot_pairs = zipf == hot
+    apart_index = torch.where(hot_pairs, position, zipf)
+
+    def apart() -> None:
+        # the step's order: the sums of the cell, its pairs zeroed in place (idempotent: the same work every call),
+        # the scatter
+        sums[:, hot] += torch.where(hot_pairs, values, 0.0).sum(dim=1)
+        values.masked_fill_(hot_pairs, 0.0)
+        sums.index_add_(1, apart_index, values)
+
+    ms = milliseconds(apart, device)
+    print(f"{'Zipf, (<other>, <other>) apart':34} {ms:7.3f} {ms / base:10.2f}")
 
 
 if __name__ == "__main__":

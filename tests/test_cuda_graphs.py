@@ -58,6 +58,35 @@ def test_graphed_steps_equal_op_by_op_steps_across_shapes_states_and_resets(monk
                 torch.testing.assert_close(graphed[k][field], eager[k][field], rtol=1e-5, atol=1e-6, msg=field)
 
 
+@cuda
+def test_a_hot_cell_summed_apart_on_the_gpu_gives_the_cpu_sums_replayed_or_op_by_op(monkeypatch):
+    """The (<other>, <other>) cell of tracked streams, summed apart from the GPU's scatter, replayed as a graph (kept
+    apart from a graph of the same state and shapes without it) or op by op: the CPU's sums, which never do so."""
+    heads, vocab = 4, 40
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(4):
+        w, ids, valid = _batch(g, 6, heads, 16, vocab)
+        ids[:, ::2] = vocab - 1  # a quarter of the pairs in the last cell
+        batches.append((w, ids, valid))
+    hot = vocab * vocab - 1
+    results, graphed = {}, None
+    for mode in ("cpu", "graphs", "eager"):
+        monkeypatch.setenv(cuda_graphs.GRAPH_SWITCH, "0" if mode == "eager" else "1")
+        device = "cpu" if mode == "cpu" else "cuda"
+        metric = AttentionAccumulator(heads, vocab, vocab).to(device)
+        for k, (w, ids, valid) in enumerate(batches):
+            w, ids, valid = w.to(device), ids.to(device), valid.to(device)
+            metric.update(w, ids, ids, valid, valid, hot_cell=hot if k else None)  # the first batch: none
+        results[mode] = {f: getattr(metric.stats(), f).cpu() for f in SUM_FIELDS}
+        graphed = metric if mode == "graphs" else graphed
+    assert _graphs_writing(graphed) == 1  # the second and later batches with the hot cell, captured once
+    assert results["cpu"]["pair_count"][-1, -1] > 100
+    for mode in ("graphs", "eager"):
+        for field in SUM_FIELDS:
+            torch.testing.assert_close(results[mode][field], results["cpu"][field], rtol=1e-5, atol=1e-6, msg=field)
+
+
 def _graphs_writing(metric: AttentionAccumulator) -> int:
     state = (metric.sums, metric.pair_count, metric.query_count, metric.position_sums)
     return sum(1 for graph in cuda_graphs._CACHE.graphs.values() if graph.writes(state))

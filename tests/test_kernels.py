@@ -233,3 +233,36 @@ def test_pair_index_points_ignored_pairs_at_their_position_and_they_add_nothing_
     torch.testing.assert_close(got[0][:2].view(2, 4, 3), want[0].double(), rtol=1e-6, atol=1e-7)  # float32 there
     assert torch.equal(got[1].view(4, 3), want[1]) and torch.equal(got[2], want[2])
     torch.testing.assert_close(got[0][2].view(4, 3), want[3], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mean_of_heads", [False, True])
+def test_a_hot_cell_summed_apart_gives_the_naive_sums(mean_of_heads):
+    """Off the CPU the torch step sums the pairs of one cell, (<other>, <other>) of tracked streams, apart from the
+    scatter; its sums, counts and position sums stay those of the float64 loops, with padding, an ignored id that
+    points at the hot cell and a dropped (NaN) row among that cell's pairs."""
+    weights, qi, ki, qv, kv = random_case(3, 2, 7, 6, 4, 3, causal=True, seed=8)
+    qi[:, ::2], ki[:, 1::2] = 3, 2  # (3, 2), the last cell, takes about a quarter of the pairs
+    weights[1, :, 4] = float("nan")  # a dropped row holding id 3
+    qv[2, 6], qi[2, 6] = False, 3  # an ignored query holding the hot id
+    hot = 3 * 3 + 2
+    pairs = F.pair_index(qi, ki, qv, kv, 4, 3)
+    assert (pairs == hot).sum() > 20
+
+    def step(hot_cell):
+        channels = 1 if mean_of_heads else 2
+        packed, C, Q = torch.zeros(channels + 1, 12), torch.zeros(12, dtype=torch.long), torch.zeros(4).long()
+        P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+        skipped = accumulate_attention_torch(packed, C, Q, P, weights, pairs, qi, qv, kv, hot_cell=hot_cell)
+        return packed, C, Q, P, int(skipped)
+
+    packed, C, Q, P, skipped = step(hot)
+    S, rC, rQ, U, rP, rskipped = run_full(weights, qi, ki, qv, kv, 4, 3)
+    rS = S.double().mean(dim=0, keepdim=True) if mean_of_heads else S.double()
+    torch.testing.assert_close(packed[:-1].double().view_as(rS), rS, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(packed[-1].double().view(4, 3), U, rtol=1e-6, atol=1e-6)
+    assert torch.equal(C.view(4, 3), rC) and torch.equal(Q, rQ) and skipped == rskipped == 1
+    torch.testing.assert_close(P, rP, rtol=1e-5, atol=1e-6)
+    assert rC[3, 2] > 10 and rS[:, 3, 2].min() > 0  # the cell did get pairs
+    # and the same as scattering it with the rest
+    for got, want in zip(step(hot)[:4], step(None)[:4], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -340,7 +340,9 @@ def calls(monkeypatch):
     """Which of the two kernels :func:`accumulate_attention` ran."""
     ran = []
     torch_path, numba_path = kernels.accumulate_attention_torch, accumulate_attention_numba
-    monkeypatch.setattr(kernels, "accumulate_attention_torch", lambda *a: ran.append("torch") or torch_path(*a))
+    monkeypatch.setattr(
+        kernels, "accumulate_attention_torch", lambda *a, **k: ran.append("torch") or torch_path(*a, **k)
+    )
     kernels._numba_kernels()  # loaded, so that the spy replaces the function the dispatch reads
     monkeypatch.setattr(
         kernels._NUMBA["module"], "accumulate_attention_numba", lambda *a: ran.append("numba") or numba_path(*a)
