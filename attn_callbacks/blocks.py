@@ -29,10 +29,12 @@ __all__ = [
 
 def x_log_x(x: Tensor) -> Tensor:
     """``Σ x log x`` over the last dimension (``0 log 0 = 0``) of ``x >= 0``: with ``log2`` (vectorised on CPU, where
-    ``log`` is not) scaled by ``ln 2``; on a CUDA device ``xlogy``, one kernel where that takes four."""
-    if x.is_cuda:
-        return torch.xlogy(x, x).sum(dim=-1)
+    ``log`` is not) scaled by ``ln 2``; on a CUDA device ``xlogy``, two kernels where that takes four. Either way the
+    log's argument is clamped to the smallest normal number: a negative ``x`` (a custom module's weight) gives
+    ``x log tiny``, finite, not NaN."""
     tiny = torch.finfo(x.dtype).tiny
+    if x.is_cuda:
+        return torch.xlogy(x, x.clamp(min=tiny)).sum(dim=-1)
     return x.clamp(min=tiny).log2_().mul_(x).sum(dim=-1).mul_(math.log(2.0))
 
 

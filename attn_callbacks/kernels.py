@@ -47,7 +47,7 @@ def pair_index(
     A pair holding an ignored query or key position points at the cell of its position in the sample, ``(i * Lk + j)
     mod (Vq * Vk)``: the torch path scatters it with the rest, and what it adds there is exactly 0 (its weights, count
     and baseline share are masked to 0). Spread so: on a GPU, atomic adds aimed at one cell queue (on an H200, the
-    scatter of a BERT-base step with 20 % of its pairs ignored took 1.03 ms with them all at one cell, 0.34 ms
+    scatter of a BERT-base step with 20 % of its pairs ignored took 0.94 ms with them all at one cell, 0.35 ms
     spread). The index depends on the token ids only: compute it once per batch and share it between modules that
     read the same streams.
 
@@ -285,7 +285,7 @@ def accumulate_attention_torch(
     if hot_cell is not None:
         hot = flat == hot_cell  # (B, Lq * Lk); pairs that add 0 may be among them, and add 0 here too
         flat = torch.where(hot, _spread(len_q * len_k, sums.shape[1], flat.device), flat)
-        pair_count[hot_cell] += (hot & kept.view(batch, -1)).sum()
+        pair_count[hot_cell] += (hot.view_as(kept) & kept).sum()
         counted = kept & ~hot.view_as(kept)
     pair_count.index_add_(0, flat.reshape(-1), counted.reshape(-1).to(pair_count.dtype))
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, load_epoch
-from attn_callbacks.accumulate import SUM_FIELDS
+from attn_callbacks.accumulate import SUM_FIELDS, AttentionAccumulator
 from attn_callbacks.functional import attention_mass
 from attn_callbacks.streams import most_frequent_ids
 
@@ -996,6 +996,32 @@ def test_callback_tracked_vocabulary_equals_dense_on_the_tracked_block_and_other
         torch.testing.assert_close(t.position_sums, d.position_sums)  # positions do not depend on the vocabulary
     labels = tracked._streams.label(range(5), "tokens")
     assert labels == [str(i) for i in expected] + ["<other>"]
+
+
+@pytest.mark.parametrize("tracked", [{"src": 3, "tgt": 4}, {"src": 3}, {"tgt": 4}])
+def test_callback_hands_the_step_the_other_cell_where_both_streams_are_tracked(tmp_path, monkeypatch, tracked):
+    """The step gets the flat index of (<other>, <other>), the last cell, for the modules whose query and key streams
+    are both tracked (a GPU sums that cell's pairs apart), and None for the others: the sums cannot show it."""
+    seen = []
+    update = AttentionAccumulator.update
+
+    def spy(self, *args, hot_cell=None, **kwargs):
+        seen.append((self.query_vocab_size, self.key_vocab_size, hot_cell))
+        return update(self, *args, hot_cell=hot_cell, **kwargs)
+
+    monkeypatch.setattr(AttentionAccumulator, "update", spy)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"src": torch.randint(0, 7, (3, 5), generator=g), "tgt": torch.randint(0, 9, (3, 4), generator=g)}]
+    monitor = AttentionMonitor({"src": 7, "tgt": 9}, {"src": "src", "tgt": "tgt"}, max_tracked_tokens=tracked)
+    trainer(tmp_path, [monitor]).validate(Seq2Seq(), DataLoader(batches, batch_size=None), verbose=False)
+    # a tracked stream: its tracked ids and <other>; an untracked one: its whole vocabulary, 7 or 9 ids
+    src, tgt = tracked.get("src", 6) + 1, tracked.get("tgt", 8) + 1
+    expected = {
+        (src, src, src * src - 1 if "src" in tracked else None),  # encoder self-attention
+        (tgt, tgt, tgt * tgt - 1 if "tgt" in tracked else None),  # decoder self-attention
+        (tgt, src, tgt * src - 1 if len(tracked) == 2 else None),  # cross-attention: queries tgt, keys src
+    }
+    assert set(seen) == expected
 
 
 def test_callback_heatmaps_and_tables_show_tokens_not_the_other_bucket(tmp_path):

@@ -13,7 +13,10 @@ from _reference import (
 )
 
 from attn_callbacks import functional as F
+from attn_callbacks import kernels
 from attn_callbacks.kernels import accumulate_attention_torch, weights_plogp
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def test_accumulate_attention_matches_naive_loop_self_attention_with_padding_and_causal_mask():
@@ -200,11 +203,13 @@ def test_row_plogp_one_pass_and_exact_paths_match_float64_loop(exact):
     torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-6)
 
 
-def test_row_plogp_paths_agree_and_stay_finite_for_a_negative_weight():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_row_plogp_paths_agree_and_stay_finite_for_a_negative_weight(device):
     # Not attention (softmax weights are >= 0), but a custom module's weights: both paths (GPU and CPU) must give the
     # same finite value, never a positive Σ p log p (a negative entropy). 0 here: the negative weight meets the clamp.
     w = torch.tensor([[0.5, 0.6, -0.1, 0.0], [0.05, 0.06, -0.01, 0.0]])  # mass 1 (one pass) and 0.1 (exact, redone)
-    exact, one_pass = (weights_plogp(w, w.sum(dim=-1), exact=flag) for flag in (True, False))
+    exact = weights_plogp(w.to(device), w.sum(dim=-1).to(device), exact=True).cpu()  # on CUDA: x log x by xlogy
+    one_pass = weights_plogp(w, w.sum(dim=-1), exact=False)
     torch.testing.assert_close(exact, one_pass)
     assert torch.isfinite(exact).all() and (exact <= 0).all()
 
@@ -235,11 +240,14 @@ def test_pair_index_points_ignored_pairs_at_their_position_and_they_add_nothing_
     torch.testing.assert_close(got[0][2].view(4, 3), want[3], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 700])  # 700: one sample per chunk on CPU
 @pytest.mark.parametrize("mean_of_heads", [False, True])
-def test_a_hot_cell_summed_apart_gives_the_naive_sums(mean_of_heads):
+def test_a_hot_cell_summed_apart_gives_the_naive_sums(mean_of_heads, chunk_bytes, monkeypatch):
     """Off the CPU the torch step sums the pairs of one cell, (<other>, <other>) of tracked streams, apart from the
     scatter; its sums, counts and position sums stay those of the float64 loops, with padding, an ignored id that
-    points at the hot cell and a dropped (NaN) row among that cell's pairs."""
+    points at the hot cell and a dropped (NaN) row among that cell's pairs, in one chunk or sample by sample."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(kernels, "_CPU_CHUNK_BYTES", chunk_bytes)
     weights, qi, ki, qv, kv = random_case(3, 2, 7, 6, 4, 3, causal=True, seed=8)
     qi[:, ::2], ki[:, 1::2] = 3, 2  # (3, 2), the last cell, takes about a quarter of the pairs
     weights[1, :, 4] = float("nan")  # a dropped row holding id 3
@@ -266,3 +274,12 @@ def test_a_hot_cell_summed_apart_gives_the_naive_sums(mean_of_heads):
     # and the same as scattering it with the rest
     for got, want in zip(step(hot)[:4], step(None)[:4], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_hot_cell_in_an_empty_batch_adds_nothing():
+    packed, C, Q = torch.zeros(3, 12), torch.zeros(12, dtype=torch.long), torch.zeros(4).long()
+    P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+    weights, ids, valid = torch.zeros(0, 2, 5, 5), torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5).bool()
+    pairs = F.pair_index(ids, ids, valid, valid, 4, 3)
+    skipped = accumulate_attention_torch(packed, C, Q, P, weights, pairs, ids, valid, valid, hot_cell=11)
+    assert int(skipped) == 0 and not packed.any() and not C.any() and not Q.any() and not P.any()
