@@ -315,20 +315,17 @@ def accumulate_attention_torch(
         if channels != num_heads:
             torch.mean(w, dim=0, out=source[0])
         torch.div(visible[start:stop], num_visible[start:stop, :, None], out=source[channels])  # U: 1 / #visible
-        flat_w = w.view(num_heads, size, len_q * len_k)
-        # Σ_ij w |i - j|; in a CUDA graph without cuBLAS: the graph would hold the address of a per-stream cuBLAS
-        # workspace that torch frees when any graph captured on that stream is destroyed (pytorch#193402).
-        if w.is_cuda and torch.cuda.is_current_stream_capturing():
-            distances = (flat_w * distance).sum(dim=(1, 2))
-        else:
-            distances = (flat_w @ distance).sum(dim=1)
+        # The sums over positions need the samples added only: one pass over w, then (H, Lq, Lk) work. No cuBLAS: in
+        # a CUDA graph it would hold the address of a per-stream workspace that torch frees when any graph captured
+        # on that stream is destroyed (pytorch#193402).
+        summed = w.sum(dim=1)  # (H, Lq, Lk)
         # w is masked: its diagonals hold exactly the kept rows' weights on valid keys i, i - 1 and i + 1.
         part = torch.stack(
             [
                 -weights_plogp(w, w.sum(dim=-1), exact=weights.is_cuda).sum(dim=(1, 2)),  # Σ p log p, p renormalised
                 num_visible[start:stop].log().sum().expand(num_heads),
-                *(w.diagonal(offset, -2, -1).sum(dim=(1, 2)) for offset in (0, -1, 1)),
-                distances,
+                *(summed.diagonal(offset, -2, -1).sum(dim=-1) for offset in (0, -1, 1)),
+                (summed.view(num_heads, -1) * distance).sum(dim=-1),  # Σ_ij w |i - j|
             ]
         )  # (len(POSITION_STATS), H)
         position_sums += part.to(position_sums.dtype)
