@@ -127,7 +127,14 @@ def log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
     }
     metrics["epoch"] = trainer.current_epoch
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
+        writer = logger.experiment if isinstance(logger, TensorBoardLogger) else None
+        if isinstance(writer, SummaryWriter) and not getattr(logger, "_prefix", ""):
+            # What TensorBoardLogger.log_metrics writes, as one event holding every value: it writes an event per
+            # scalar (~36 µs each; 416 scalars took 15 ms of the stress benchmark's epoch end, one event 0.5 ms).
+            values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in metrics.items()]
+            writer._get_file_writer().add_summary(Summary(value=values), step)
+        else:
+            logger.log_metrics(metrics, step=step)
 
 
 def tensorboard_writer(trainer: Trainer) -> Any:
