@@ -34,12 +34,18 @@ def _line(size: float) -> tuple[float, float]:
     return _LINE[size]
 
 
-@lru_cache(maxsize=_MAX_OUTLINES)
 def outline(text: str, size: float, ha: str = "center", va: str = "center", rotation: float = 0.0) -> Path:
     """``text`` at ``size`` points as a path in points, rotated by ``rotation`` degrees and placed so that its
     ``(ha, va)`` anchor is at ``(0, 0)``: as matplotlib aligns a ``Text`` (the rotated box of the line, from the
     start of the text to its last glyph and from the font's descent to its ascent). ``va="ink"`` centres the
     glyphs' own box instead (a number in a cell). Cached."""
+    # Every argument given: the cache keys calls by how they pass their arguments, and outline(t, 8, "left") would
+    # make again what outline(t, 8, "left", "center", 0.0) made (a colour bar's numbers, measured then drawn).
+    return _outline(text, float(size), ha, va, float(rotation))
+
+
+@lru_cache(maxsize=_MAX_OUTLINES)
+def _outline(text: str, size: float, ha: str, va: str, rotation: float) -> Path:
     # As TextPath lays it out, which fails on a text without any outline (a space, say): those are empty paths.
     vertices, codes = text_to_path.get_text_path(_FONT, text) if text else ([], [])
     if not len(vertices):
