@@ -178,7 +178,7 @@ def moved_tokens(
         score = torch.where(supported, row_divergence.to(current.dtype), score)
     order = torch.sort(score, descending=True, stable=True).indices
     order = order[torch.isfinite(score[order])][:k]
-    return [(int(a), float(score[a])) for a in order.tolist()]
+    return list(zip(order.tolist(), score[order].tolist(), strict=True))  # one transfer each, not one per row
 
 
 def head_mean(heads: Tensor) -> Tensor:

@@ -131,7 +131,11 @@ class Images:
         below a line), a column per head, each cell's value printed in it. Metrics with a natural range keep it
         (:data:`~attn_callbacks.dashboard.HEAD_METRICS`); the others follow ``color_scale``."""
         metric = HEAD_METRICS.get(key, HeadMetric(key))
-        numbers = {name: v.double().cpu().numpy() for name, v in values.items()}
+        # Every module's values in one copy to the host (one each would be a host sync each on a GPU).
+        device = next(iter(values.values())).device
+        flat = torch.cat([v.detach().reshape(-1).to(device, torch.float64) for v in values.values()]).cpu().numpy()
+        ends = np.cumsum([v.numel() for v in values.values()])
+        numbers = dict(zip(values, np.split(flat, ends[:-1]), strict=True))
         rows, row_labels, groups = head_grid_rows(numbers, square)
         vmax = metric.vmax if metric.vmax is not None else self.limit(tag + suffix, rows)
         return self.figures.value_grid(

@@ -206,6 +206,18 @@ def pagerank(
     return rank / rank.sum()
 
 
+def _read(items: Sequence[Any], device: torch.device, *gathers: Callable[..., Tensor]) -> list[list[float]]:
+    """Per gather, its ``(n,)`` values at the ``n`` rows of a table, as floats, moved to the host in one copy (read
+    one by one, every value would cost a host sync on a GPU). ``items``: the rows' token ids, or their ``(a, b,
+    ...)`` pairs; each gather gets the ids (or ``a`` and ``b``) as tensors on ``device``."""
+    if not items:
+        return [[] for _ in gathers]
+    pairs = isinstance(items[0], tuple)
+    index = torch.tensor([item[:2] if pairs else item for item in items], device=device)
+    columns = [gather(*index.T) if pairs else gather(index) for gather in gathers]
+    return torch.stack([column.to(device, torch.float64) for column in columns]).tolist()
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table (TensorBoard's text plugin renders it); ``|`` in cells escaped."""
 
@@ -263,9 +275,13 @@ def module_tables(
 
     needs = f"No pair seen at least min_support={min_support} times"
     if square:
+        found = one_way_pairs(mass[tq, tk], count, num_pairs, min_support)
+        there, back, seen = _read(
+            found, mass.device, lambda a, b: mass[a, b], lambda a, b: mass[b, a], lambda a, b: count[a, b]
+        )
         rows: list[Sequence[object]] = [
-            (query_label(a), key_label(b), score, float(mass[a, b]), float(mass[b, a]), int(count[a, b]))
-            for a, b, score in one_way_pairs(mass[tq, tk], count, num_pairs, min_support)
+            (query_label(a), key_label(b), score, p, q, int(c))
+            for (a, b, score), p, q, c in zip(found, there, back, seen, strict=True)
         ]
         header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
         tables["one_way_pairs"] = table(header, rows, f"{needs} in both directions.")
@@ -279,10 +295,10 @@ def module_tables(
     else:
         weights = query_count[tq].to(mass.dtype)
         top = _top_pairs_by(lambda r, c: lift(weights[r] * shown[r, c], uniform[r, c]), count, num_pairs, min_support)
-    rows = [
-        (query_label(a), key_label(b), score, float(mass[a, b]), float(stats.uniform_sum[a, b] / query_count[a]))
-        for a, b, score in top
-    ]
+    there, chance = _read(
+        top, mass.device, lambda a, b: mass[a, b], lambda a, b: stats.uniform_sum[a, b] / query_count[a]
+    )
+    rows = [(query_label(a), key_label(b), score, p, u) for (a, b, score), p, u in zip(top, there, chance, strict=True)]
     header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
     tables["lift_pairs"] = table(header, rows, f"{needs}.")
     drifts = drifts or {}
@@ -297,11 +313,15 @@ def module_tables(
         start = rank_start if rank_start is not None and rank_start.shape == degree.shape else None
         rank = pagerank(mass, start=start)
         order = top_tokens((rank * (degree > 0))[tk], num_pairs).tolist()
-        rows = [(key_label(b), float(rank[b]), float(degree[b]), int(stats.query_count[b])) for b in order]
+        ranks, degrees, counts = _read(
+            order, mass.device, lambda b: rank[b], lambda b: degree[b], lambda b: stats.query_count[b]
+        )
+        rows = [(key_label(b), r, d, int(q)) for b, r, d, q in zip(order, ranks, degrees, counts, strict=True)]
         header = ("token", "PageRank", "in-degree (share of attention received)", "Q")
     else:
         order = top_tokens(degree[tk], num_pairs).tolist()
-        rows = [(key_label(b), float(degree[b])) for b in order]
+        (degrees,) = _read(order, mass.device, lambda b: degree[b])
+        rows = [(key_label(b), d) for b, d in zip(order, degrees, strict=True)]
         header = ("key token", "in-degree (share of attention received)")
     tables["hubs"] = table(header, rows, "No attention recorded.")
     return tables, rank
@@ -332,16 +352,16 @@ def _drift_table(
             "" if math.isnan(js) else js
             for js in drifts["prev"].rows[torch.tensor([a for a, _ in moved], device=mass.device)].tolist()
         ]
+    now, then, counts = _read(
+        [a for a, _ in moved],
+        mass.device,
+        lambda a: mass[a, tk].argmax(dim=-1),
+        lambda a: ref_mass[a.to(ref_mass.device), tk].argmax(dim=-1),  # the snapshot may be in host memory
+        lambda a: stats.query_count[a],
+    )
     rows = [
-        (
-            query_label(a),
-            js,
-            prev,
-            key_label(int(mass[a, tk].argmax())),
-            key_label(int(ref_mass[a, tk].argmax())),
-            int(stats.query_count[a]),
-        )
-        for (a, js), prev in zip(moved, prev_js, strict=True)
+        (query_label(a), js, prev, key_label(int(b_now)), key_label(int(b_then)), int(q))
+        for (a, js), prev, b_now, b_then, q in zip(moved, prev_js, now, then, counts, strict=True)
     ]
     header = (
         "query token",
