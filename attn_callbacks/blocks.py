@@ -87,17 +87,21 @@ def sum_by_blocks(fn: Callable[[Any], Tensor], blocks: Iterable[Any], empty: Ten
 def safe_divide(numerator: Tensor, denominator: Tensor, out: Tensor | None = None) -> Tensor:
     """``numerator / denominator`` with 0 wherever the denominator is 0 (broadcasting as usual).
 
-    A denominator smaller than the numerator (broadcast) costs one host sync, to check its reciprocals are finite:
-    for epoch-end statistics, not for per-batch updates. ``out``, a tensor of the result's shape and dtype, receives
-    the result (a large result written into memory already in use skips the page faults of a fresh allocation)."""
+    On CPU a denominator smaller than the numerator (broadcast) costs a check that its reciprocals are finite, then
+    one multiplication pass; elsewhere the check would be a host sync, and the division runs instead (as fast where
+    memory bandwidth is the limit). ``out``, a tensor of the result's shape and dtype, receives the result (a large
+    result written into memory already in use skips the page faults of a fresh allocation)."""
     denominator = denominator.to(numerator.dtype) if numerator.is_floating_point() else denominator.double()
-    if 0 < denominator.numel() < numerator.numel():
+    if 0 < denominator.numel() < numerator.numel() and numerator.device.type == "cpu":
         # A broadcast denominator (row counts, say): zero-safe reciprocals of the few, then one multiplication pass
         # over the many, unless a reciprocal overflows (a subnormal denominator).
         reciprocal = torch.where(denominator == 0, 0.0, 1 / denominator)
         if bool(torch.isfinite(reciprocal).all()):
             return torch.mul(numerator, reciprocal, out=out)
-    # x / 0 is inf or NaN here, and torch.where replaces it: no temporary ones/zeros of the full size.
+    if out is not None and out.shape == torch.broadcast_shapes(numerator.shape, denominator.shape):
+        # x / 0 is inf or NaN, replaced where it lies: no second result of the full size.
+        return torch.div(numerator, denominator, out=out).masked_fill_(denominator == 0, 0.0)
+    # torch.where replaces x / 0: no temporary ones/zeros of the full size.
     quotient = torch.where(denominator == 0, 0.0, numerator / denominator)
     return quotient if out is None else out.copy_(quotient)
 

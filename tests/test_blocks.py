@@ -1,8 +1,11 @@
+import pytest
 import torch
 
 from attn_callbacks import blocks
 from attn_callbacks import functional as F
-from attn_callbacks.blocks import row_blocks, square_tiles
+from attn_callbacks.blocks import row_blocks, safe_divide, square_tiles
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def test_epoch_statistics_by_row_blocks_equal_the_whole_matrix_computation(monkeypatch):
@@ -35,3 +38,24 @@ def test_epoch_statistics_by_row_blocks_equal_the_whole_matrix_computation(monke
     for name, value in whole.items():
         torch.testing.assert_close(blocked[name], value, rtol=1e-6, atol=1e-7, msg=name)
     assert float(F.attention_drift(P, P, Q, Q, 1)[0].abs().max()) == 0.0  # an epoch against itself: exactly 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("into", [False, True, "numerator"])
+def test_safe_divide_is_the_quotient_and_0_where_the_denominator_is_0(device, into):
+    """Broadcast rows (CPU: reciprocals, then a product; CUDA: a division, no host sync), a subnormal row count whose
+    reciprocal overflows (the division instead), equal shapes; into a given tensor, the numerator's own memory too."""
+    numerator = torch.tensor([[1.0, 2.0, 0.0], [3.0, -4.0, 5.0], [6.0, 7.0, 8.0], [1e-39, 2e-39, 0.0]])
+    rows = torch.tensor([[2.0], [0.0], [4.0], [1e-39]])  # 1 / 1e-39 overflows float32
+    normal = torch.tensor([[2.0], [0.0], [4.0], [0.5]])
+    same = torch.tensor([[2.0, 0.0, 1.0], [1.0, 1.0, 0.0], [4.0, 8.0, 16.0], [1.0, 2.0, 3.0]])
+    for denominator in (rows, normal, same):
+        expected = [
+            [0.0 if d == 0 else n / d for n, d in zip(row, den * len(row) if len(den) == 1 else den, strict=True)]
+            for row, den in zip(numerator.double().tolist(), denominator.double().tolist(), strict=True)
+        ]
+        num, den = numerator.to(device), denominator.to(device)
+        out = {False: None, True: torch.empty_like(num), "numerator": num}[into]
+        got = safe_divide(num, den, out=out)
+        assert out is None or got.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(got.double().cpu(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=0)
