@@ -27,6 +27,7 @@ from attn_callbacks.figures import (
     cell_text,
     head_grid,
     heatmap,
+    title_sets_width,
     value_grid,
 )
 from attn_callbacks.outlines import Words
@@ -42,7 +43,8 @@ class FigureCache:
     numbers. Later renders of that layout, for any tag, set the new data, colour scale and texts and redraw those
     parts on top: the pixels equal a fresh render's. Tick labels are most of matplotlib's drawing time, so the
     heatmaps of every layer of a model (the same tokens on their axes, another title) cost one full drawing, not one
-    each.
+    each; so do a layer's diverging maps (asymmetry, lift, drift), whose titles differ in length only, as long as a
+    title is narrower than the panel and colour bar (a wider one widens the figure: a layout of its own).
 
     Args:
         max_bytes: the most memory the kept figures may take (two RGBA buffers each); the least recently used layouts
@@ -68,8 +70,9 @@ class FigureCache:
         """:func:`heatmap` of ``matrix`` as an ``(H, W, 3)`` uint8 array (``(H, W, 4)`` with an opaque alpha channel
         when ``alpha``: a plain copy of the canvas, many times faster than leaving the channel out; :func:`png_bytes`
         drops it)."""
-        # The title's length, not its text: it sets the figure's width.
-        layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), len(title), diverging)
+        # The title's length where it sets the figure's width; else every family's map shares one figure.
+        room = len(title) if title_sets_width(title, row_labels, col_labels) else 0
+        layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), room, diverging)
         limit = abs_max(matrix) if vmax is None else vmax
         return self._render(
             layout,
@@ -100,7 +103,7 @@ class FigureCache:
             matrices.shape,
             tuple(row_labels),
             tuple(col_labels),
-            len(title),
+            len(title) if title_sets_width(title, row_labels, col_labels, heads=len(matrices)) else 0,
             tuple(titles or ()),
             diverging,
         )

@@ -215,9 +215,10 @@ def _grid_figure(
     bottom = _label_inches(col_labels, size) + _AXIS_LABEL
     gap_w, gap_h = 0.2, _TITLE
     top = _TITLE * title_lines
-    panels_right = left + ncols * panel_w + (ncols - 1) * gap_w
-    # The title starts at the panel's left edge (one heatmap) or near the figure's (a grid's suptitle).
-    width = max(panels_right + _COLORBAR, title_inches + (left if title_at_panel else 0))
+    panels_right, title_right = _right_edges(
+        ncols, row_labels, col_labels, title_inches, title_at_panel, cell_w, min_cells
+    )
+    width = max(panels_right + _COLORBAR, title_right)
     height = bottom + nrows * panel_h + (nrows - 1) * gap_h + top
     panels = [
         [
@@ -234,6 +235,40 @@ def _grid_figure(
     panels_height = nrows * panel_h + (nrows - 1) * gap_h
     colorbar = ((panels_right + 0.15) / width, bottom / height, 0.15 / width, panels_height / height)
     return Figure(figsize=(width, height), dpi=100), panels, colorbar, size
+
+
+def _right_edges(
+    ncols: int,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title_inches: float,
+    title_at_panel: bool,
+    cell_w: float,
+    min_cells: int,
+) -> tuple[float, float]:
+    """Inches from a grid figure's left edge to its panels' right edge and to its title's: the title starts at the
+    panel's left edge (one heatmap) or near the figure's (a grid's suptitle)."""
+    left = _label_inches(row_labels, _font_size(len(row_labels), len(col_labels))) + _AXIS_LABEL
+    panels_right = left + ncols * cell_w * max(len(col_labels), min_cells) + (ncols - 1) * 0.2
+    return panels_right, title_inches + (left if title_at_panel else 0)
+
+
+def _heatmap_title(title: str) -> float:
+    return _text_inches(title, 9) + 0.2
+
+
+def _grid_title(title: str) -> float:
+    return _text_inches(title, 10) + 0.4
+
+
+def title_sets_width(title: str, row_labels: Sequence[str], col_labels: Sequence[str], heads: int = 0) -> bool:
+    """Whether a :func:`heatmap`'s (``heads`` 0) or :func:`head_grid`'s figure is as wide as its title needs rather
+    than as its panels and colour bar: only then does the title's length change the figure's layout."""
+    if heads:
+        edges = _right_edges(min(heads, 4), row_labels, col_labels, _grid_title(title), False, _CELL * 0.75, 8)
+    else:
+        edges = _right_edges(1, row_labels, col_labels, _heatmap_title(title), True, _CELL, 8)
+    return edges[1] > edges[0] + _COLORBAR
 
 
 def heatmap(
@@ -258,7 +293,7 @@ def heatmap(
             drawn blank.
     """
     figure, panels, colorbar, size = _grid_figure(
-        1, 1, row_labels, col_labels, 1, title_inches=_text_inches(title, 9) + 0.2, title_at_panel=True
+        1, 1, row_labels, col_labels, 1, title_inches=_heatmap_title(title), title_at_panel=True
     )
     limit = abs_max(matrix) if vmax is None else vmax
     ax = figure.add_axes(panels[0][0])
@@ -296,7 +331,7 @@ def head_grid(
     titles = [f"head {h}" for h in range(heads)] if titles is None else list(titles)
     ncols = min(heads, 4)
     nrows = math.ceil(heads / ncols)
-    title_inches = _text_inches(title, 10) + 0.4
+    title_inches = _grid_title(title)
     figure, panels, colorbar, size = _grid_figure(
         nrows, ncols, row_labels, col_labels, 2, cell=_CELL * 0.75, title_inches=title_inches
     )

@@ -102,6 +102,27 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_me
     assert decoded.shape == again.shape and np.array_equal(decoded, again)
 
 
+def test_maps_whose_titles_fit_above_the_panel_share_one_figure_and_equal_fresh_renders():
+    """A title narrower than the panel and colour bar leaves the figure as it is: every family's map of a layer
+    (asymmetry, lift, drift: titles of other lengths) is drawn in one figure. A longer title widens the figure: a
+    figure of its own. Every render equals a fresh one."""
+    rng = np.random.default_rng(2)
+    labels = [f"t{i}" for i in range(12)]
+    cache = figure_cache.FigureCache()
+    titles = ["L0: P - Pᵀ", "L0: log2 lift over uniform", "L10: P now - P at epoch 0", "L0: " + "wide title " * 8]
+    assert [figures.title_sets_width(t, labels, labels) for t in titles] == [False, False, False, True]
+    for title in titles:
+        matrix = rng.standard_normal((12, 12))
+        got = cache.heatmap(matrix, labels, labels, title, title[-5:], diverging=True)
+        assert np.array_equal(got, figure_to_array(figures.heatmap(matrix, labels, labels, title, title[-5:], True)))
+    assert len(cache._entries) == 2
+    heads = rng.random((8, 12, 12))
+    for title in ("L0: P per head", "L11: attention mass P per head"):
+        got = cache.head_grid(heads, labels, labels, title, "P")
+        assert np.array_equal(got, figure_to_array(figures.head_grid(heads, labels, labels, title, "P")))
+    assert len(cache._entries) == 3
+
+
 def _no_overlap(boxes, axis):
     spans = sorted((b.y0, b.y1) if axis == "y" else (b.x0, b.x1) for b in boxes)
     return all(end <= start + 0.01 for (_, end), (start, _) in itertools.pairwise(spans))
