@@ -98,9 +98,15 @@ def safe_divide(numerator: Tensor, denominator: Tensor, out: Tensor | None = Non
         reciprocal = torch.where(denominator == 0, 0.0, 1 / denominator)
         if bool(torch.isfinite(reciprocal).all()):
             return torch.mul(numerator, reciprocal, out=out)
-    if out is not None and out.shape == torch.broadcast_shapes(numerator.shape, denominator.shape):
-        # x / 0 is inf or NaN, replaced where it lies: no second result of the full size.
-        return torch.div(numerator, denominator, out=out).masked_fill_(denominator == 0, 0.0)
+    if (
+        out is not None
+        and out.shape == torch.broadcast_shapes(numerator.shape, denominator.shape)
+        and out.dtype == torch.result_type(numerator, denominator)
+    ):
+        # x / 0 is inf or NaN, replaced where it lies: no second result of the full size. The zeros are found first:
+        # out may be the denominator's own memory.
+        zero = denominator == 0
+        return torch.div(numerator, denominator, out=out).masked_fill_(zero, 0.0)
     # torch.where replaces x / 0: no temporary ones/zeros of the full size.
     quotient = torch.where(denominator == 0, 0.0, numerator / denominator)
     return quotient if out is None else out.copy_(quotient)

@@ -98,6 +98,9 @@ class Streams:
         self._originals: dict[str, tuple[Tensor, list[int]]] = {}  # stream -> (tracked ids, as a list)
         self._ignored: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # ignore_ids on a device
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"_originals": {}, **state})  # a Streams pickled before the cache existed
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "batch": None, "_ids": {}, "_tables": {}, "_ignored": {}, "_originals": {}}  # caches
 
@@ -261,6 +264,7 @@ class Streams:
         """Tracked ids from a checkpoint: frozen when the checkpointed run chose them, so epochs stay comparable."""
         self.tracked.update(tracked)
         self._tables.clear()
+        self._originals.clear()
 
     # -------------------------------------------------------------------------------------------------- labels
     def label(self, ids: Sequence[int], stream: str, max_length: int | None = MAX_LABEL) -> list[str]:

@@ -59,3 +59,13 @@ def test_safe_divide_is_the_quotient_and_0_where_the_denominator_is_0(device, in
         got = safe_divide(num, den, out=out)
         assert out is None or got.data_ptr() == out.data_ptr()
         torch.testing.assert_close(got.double().cpu(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_safe_divide_into_the_denominator_or_a_tensor_of_another_dtype(device):
+    numerator = torch.tensor([1.0, 2.0, 0.0, 3.0], device=device)
+    denominator = torch.tensor([2.0, 0.0, 0.0, 1.0], device=device)
+    assert safe_divide(numerator, denominator, out=denominator).tolist() == [0.5, 0.0, 0.0, 3.0]
+    counts, total = torch.tensor([3, 0, 6], device=device), torch.tensor([2, 0, 4], device=device)
+    into = torch.empty(3, device=device)  # float32: the float64 quotient is cast, as a copy would
+    assert safe_divide(counts, total, out=into).tolist() == [1.5, 0.0, 1.5] and into.dtype == torch.float32

@@ -103,3 +103,20 @@ def test_log_heads_writes_one_tensorboard_event_of_every_value_and_other_loggers
     with open(Path(table.log_dir) / "metrics.csv", newline="") as handle:
         (row,) = csv.DictReader(handle)
     assert {tag: float(row[tag]) for tag in expected} == expected and row["step"] == "7"
+
+
+def test_log_heads_leaves_a_tensorboard_logger_with_its_own_log_metrics_to_it(tmp_path):
+    class OnlyFirstHeads(TensorBoardLogger):
+        def log_metrics(self, metrics, step=None):
+            super().log_metrics({k: v for k, v in metrics.items() if k.endswith("head_0")}, step)
+
+    logger = OnlyFirstHeads(tmp_path)
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=3))
+    trainer = SimpleNamespace(
+        sanity_checking=False, is_global_zero=True, loggers=[logger], fit_loop=loop, global_step=3, current_epoch=0
+    )
+    log_heads(trainer, {("attention_entropy_heads/enc", ""): torch.tensor([0.5, 0.25])})
+    logger.finalize("success")
+    read = EventAccumulator(logger.log_dir, size_guidance={SCALARS: 0})
+    read.Reload()
+    assert read.Tags()["scalars"] == ["attention_entropy_heads/enc/head_0"]
