@@ -2,11 +2,11 @@
 # The GPU checks, time-boxed; the log goes to ${OUT:-.}/gpu_checks.log. From the repository root, on a machine with a
 # CUDA GPU and the project's dependencies:
 #     bash benchmarks/gpu_checks.sh [tests] [step] [bert] [light] [profile] [scatter]   (all by default, ~18 min at most)
-# tests: CUDA graph, CUDA-against-CPU, page-locked drift memory and end-to-end tests on the GPU (~4 min); step: one
-# accumulation step alone, graph against op by op (~1 min); bert: overhead.py at BERT-base shapes, graphs on and off (~5
-# min); light: the light model, graphs on and off, where the host may be the bottleneck (~4 min); profile: where a
-# BERT-base epoch's device time goes, graphs off so that the step's own kernels show (~2 min); scatter: the scatter-add
-# alone, with and without hot cells (~20 s).
+# tests: CUDA graph, CUDA-against-CPU, safe_divide and entropy, page-locked drift memory and end-to-end tests on the GPU
+# (~4 min); step: one accumulation step alone, graph against op by op (~1 min); bert: overhead.py at BERT-base shapes,
+# graphs on and off (~5 min); light: the light model, graphs on and off, where the host may be the bottleneck (~4 min);
+# profile: where a BERT-base epoch's device time goes, graphs off so that the step's own kernels show (~2 min); scatter:
+# the scatter-add alone, with and without hot cells (~20 s).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 parts=${*:-tests step bert light profile scatter}
 {
@@ -16,8 +16,8 @@ parts=${*:-tests step bert light profile scatter}
     echo "== $part $(date +%T)"
     case $part in
       tests)
-        timeout 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_cuda_graphs.py \
-          tests/test_accumulate.py tests/test_drift.py -k "cuda or graph or page_locked or pageable"
+        timeout 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_cuda_graphs.py tests/test_blocks.py \
+          tests/test_kernels.py tests/test_accumulate.py tests/test_drift.py -k "cuda or graph or page_locked or pageable"
         ATTN_CALLBACKS_TEST_ACCELERATOR=gpu timeout 180 python3 -m pytest -q -p no:cacheprovider -n 8 -rf --tb=line \
           -W ignore tests/test_callback.py tests/test_sdpa.py tests/test_hf.py tests/test_dashboard.py \
           tests/test_accumulate.py tests/test_capture.py tests/test_kernels.py tests/test_cuda_graphs.py ;;
