@@ -95,14 +95,10 @@ class Streams:
         self.batch: Any = None  # the batch being read, while one runs
         self._ids: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # this batch's ids per stream
         self._tables: dict[str, Tensor] = {}  # stream -> id -> compact index, on the device
-        self._originals: dict[str, tuple[Tensor, list[int]]] = {}  # stream -> (tracked ids, as a list)
         self._ignored: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # ignore_ids on a device
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_originals": {}, **state})  # a Streams pickled before the cache existed
-
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "batch": None, "_ids": {}, "_tables": {}, "_ignored": {}, "_originals": {}}  # caches
+        return {**self.__dict__, "batch": None, "_ids": {}, "_tables": {}, "_ignored": {}}  # per-batch, device caches
 
     def _tracked_tensor(self, stream: str, ids: list[int]) -> Tensor:
         bad = [i for i in ids if not 0 <= i < self.vocab[stream]]
@@ -264,7 +260,6 @@ class Streams:
         """Tracked ids from a checkpoint: frozen when the checkpointed run chose them, so epochs stay comparable."""
         self.tracked.update(tracked)
         self._tables.clear()
-        self._originals.clear()
 
     # -------------------------------------------------------------------------------------------------- labels
     def label(self, ids: Sequence[int], stream: str, max_length: int | None = MAX_LABEL) -> list[str]:
@@ -272,10 +267,7 @@ class Streams:
         tracked = self.tracked.get(stream)
         if tracked is None:
             return label_tokens(list(ids), self.labels[stream], max_length=max_length)
-        cached = self._originals.get(stream)
-        if cached is None or cached[0] is not tracked:  # a table's every row asks for one label
-            cached = self._originals[stream] = (tracked, tracked.tolist())
-        ids, originals = list(ids), cached[1]
+        ids, originals = list(ids), tracked.tolist()
         known = [originals[c] for c in ids if c < len(originals)]  # one lookup for all (a tokenizer call, say)
         labels = iter(label_tokens(known, self.labels[stream], max_length=max_length))
         return [next(labels) if c < len(originals) else OTHER_LABEL for c in ids]

@@ -206,6 +206,16 @@ def pagerank(
     return rank / rank.sum()
 
 
+def _labelled(
+    pairs: Sequence[tuple[int, int, float]],
+    query_labels: Callable[[Sequence[int]], list[str]],
+    key_labels: Callable[[Sequence[int]], list[str]],
+) -> list[tuple[str, str, float]]:
+    """A table's ``(a, b, score)`` pairs as ``(label of a, label of b, score)``, each side labelled in one call."""
+    queries, keys = query_labels([a for a, _, _ in pairs]), key_labels([b for _, b, _ in pairs])
+    return [(query, key, score) for query, key, (_, _, score) in zip(queries, keys, pairs, strict=True)]
+
+
 def _read(items: Sequence[Any], device: torch.device, *gathers: Callable[..., Tensor]) -> list[list[float]]:
     """Per gather, its ``(n,)`` values at the ``n`` rows of a table, as floats, moved to the host in one copy (read
     one by one, every value would cost a host sync on a GPU). ``items``: the rows' token ids, or their ``(a, b,
@@ -237,8 +247,8 @@ def module_tables(
     square: bool,
     query_tokens: slice,
     key_tokens: slice,
-    query_label: Callable[[int], str],
-    key_label: Callable[[int], str],
+    query_labels: Callable[[Sequence[int]], list[str]],
+    key_labels: Callable[[Sequence[int]], list[str]],
     num_pairs: int,
     min_support: int,
     reference: Snapshot | None = None,
@@ -257,8 +267,8 @@ def module_tables(
         square: self-attention.
         query_tokens: the query indices that are tokens (``<other>`` left out).
         key_tokens: the key indices that are tokens.
-        query_label: label of a query index.
-        key_label: label of a key index.
+        query_labels: labels of query indices, all of a table's at once (a tokenizer is called once a table).
+        key_labels: labels of key indices, likewise.
         num_pairs: rows per table.
         min_support: the least evidence a row needs (see ``AttentionMonitor``).
         reference: the reference epoch, for the moved tokens.
@@ -280,8 +290,8 @@ def module_tables(
             found, mass.device, lambda a, b: mass[a, b], lambda a, b: mass[b, a], lambda a, b: count[a, b]
         )
         rows: list[Sequence[object]] = [
-            (query_label(a), key_label(b), score, p, q, int(c))
-            for (a, b, score), p, q, c in zip(found, there, back, seen, strict=True)
+            (*pair, p, q, int(c))
+            for pair, p, q, c in zip(_labelled(found, query_labels, key_labels), there, back, seen, strict=True)
         ]
         header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
         tables["one_way_pairs"] = table(header, rows, f"{needs} in both directions.")
@@ -298,13 +308,13 @@ def module_tables(
     there, chance = _read(
         top, mass.device, lambda a, b: mass[a, b], lambda a, b: stats.uniform_sum[a, b] / query_count[a]
     )
-    rows = [(query_label(a), key_label(b), score, p, u) for (a, b, score), p, u in zip(top, there, chance, strict=True)]
+    rows = [(*pair, p, u) for pair, p, u in zip(_labelled(top, query_labels, key_labels), there, chance, strict=True)]
     header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
     tables["lift_pairs"] = table(header, rows, f"{needs}.")
     drifts = drifts or {}
     if reference is not None and "ref" in drifts:
         tables["drift_tokens"] = _drift_table(
-            stats, mass, reference, drifts, tq, tk, query_label, key_label, num_pairs, min_support, epochs
+            stats, mass, reference, drifts, tq, tk, query_labels, key_labels, num_pairs, min_support, epochs
         )
     degree = safe_divide(_column_sums(mass, query_count), query_count.sum())  # summary.in_degree of S̄ = Q P̄
     rank = None
@@ -316,12 +326,12 @@ def module_tables(
         ranks, degrees, counts = _read(
             order, mass.device, lambda b: rank[b], lambda b: degree[b], lambda b: stats.query_count[b]
         )
-        rows = [(key_label(b), r, d, int(q)) for b, r, d, q in zip(order, ranks, degrees, counts, strict=True)]
+        rows = [(b, r, d, int(q)) for b, r, d, q in zip(key_labels(order), ranks, degrees, counts, strict=True)]
         header = ("token", "PageRank", "in-degree (share of attention received)", "Q")
     else:
         order = top_tokens(degree[tk], num_pairs).tolist()
         (degrees,) = _read(order, mass.device, lambda b: degree[b])
-        rows = [(key_label(b), d) for b, d in zip(order, degrees, strict=True)]
+        rows = [(b, d) for b, d in zip(key_labels(order), degrees, strict=True)]
         header = ("key token", "in-degree (share of attention received)")
     tables["hubs"] = table(header, rows, "No attention recorded.")
     return tables, rank
@@ -334,8 +344,8 @@ def _drift_table(
     drifts: dict[str, Drift],
     tq: slice,
     tk: slice,
-    query_label: Callable[[int], str],
-    key_label: Callable[[int], str],
+    query_labels: Callable[[Sequence[int]], list[str]],
+    key_labels: Callable[[Sequence[int]], list[str]],
     num_pairs: int,
     min_support: int,
     epochs: tuple[int | None, int | None],
@@ -359,9 +369,13 @@ def _drift_table(
         lambda a: ref_mass[a.to(ref_mass.device), tk].argmax(dim=-1),  # the snapshot may be in host memory
         lambda a: stats.query_count[a],
     )
+    queries = query_labels([a for a, _ in moved])
+    tops_now, tops_then = key_labels([int(b) for b in now]), key_labels([int(b) for b in then])
     rows = [
-        (query_label(a), js, prev, key_label(int(b_now)), key_label(int(b_then)), int(q))
-        for (a, js), prev, b_now, b_then, q in zip(moved, prev_js, now, then, counts, strict=True)
+        (query, js, prev, top_now, top_then, int(q))
+        for query, (_, js), prev, top_now, top_then, q in zip(
+            queries, moved, prev_js, tops_now, tops_then, counts, strict=True
+        )
     ]
     header = (
         "query token",

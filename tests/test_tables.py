@@ -180,8 +180,8 @@ def five_pair_tables(sums, counts, query_count, uniform, mass, *, square, min_su
         square=square,
         query_tokens=slice(0, vocab_q),
         key_tokens=slice(0, vocab_k),
-        query_label=str,
-        key_label=str,
+        query_labels=lambda ids: [str(i) for i in ids],
+        key_labels=lambda ids: [str(i) for i in ids],
         num_pairs=5,
         min_support=min_support,
     )
