@@ -465,7 +465,8 @@ class AttentionMonitor(Callback):
         self._probe.keep(name, weights, rows)
         if self._probe.only:
             return
-        query_other, key_other = (self._streams.other_index(stream) for stream in streams)
+        # <other> comes right after a tracked stream's tokens; an untracked stream's tokens end nowhere (None).
+        query_other, key_other = (self._streams.tokens(stream).stop for stream in streams)
         other = None if query_other is None or key_other is None else (query_other, key_other)
         self._sums.add(name, self._dataloader_idx, streams, weights, query, key, rows, other)
 

@@ -139,11 +139,6 @@ class Streams:
         tracked = self.tracked.get(stream)
         return self.vocab[stream] if tracked is None else len(tracked) + 1
 
-    def other_index(self, stream: str) -> int | None:
-        """The accumulated index of ``<other>`` in a tracked stream (the last), None in an untracked one."""
-        tracked = self.tracked.get(stream)
-        return None if tracked is None else len(tracked)
-
     def planned_size(self, stream: str) -> int:
         """:meth:`size`, counting a stream whose tracked ids are not chosen yet with its limit."""
         return self.track_limit[stream] + 1 if self.pending(stream) else self.size(stream)
