@@ -21,6 +21,10 @@ __all__ = ["abs_max", "cell_text", "head_grid", "heatmap", "value_grid"]
 # Fixed layout in inches, computed from the labels: matplotlib's constrained layout measures every tick label
 # several times and was most of the cost of an epoch's images.
 _CELL = 0.22  # inches per heatmap row or column
+_GRID_CELL = _CELL * 0.75  # ... in a grid of heads' panels
+_GRID_COLUMNS = 4  # panels a row of a head grid holds
+_MIN_CELLS = 8  # a heatmap panel is at least this many cells each way
+_GAP = 0.2  # inches between the panels of a grid
 _CHAR = 0.6 / 72  # inches per character per point of font size (a generous average glyph width)
 _TITLE = 0.45  # inches above an axes for its title
 _AXIS_LABEL = 0.3  # inches for "query token (attending)" / "key token (attended to)"
@@ -202,7 +206,7 @@ def _grid_figure(
     title_inches: float = 0.0,
     title_at_panel: bool = False,
     cell_width: float | None = None,
-    min_cells: int = 8,
+    min_cells: int = _MIN_CELLS,
 ) -> tuple[Figure, list[list[tuple[float, float, float, float]]], tuple[float, float, float, float], int]:
     """A figure sized for ``nrows × ncols`` heatmap panels, the panels' rectangles and the colour bar's (figure
     fractions), and the tick font size. One row (column) of cells is at least as tall (wide) as a tick label's font,
@@ -210,14 +214,13 @@ def _grid_figure(
     ``cell`` inches high and ``cell_width`` (default ``cell``) wide, a panel at least ``min_cells`` each way."""
     size = _font_size(len(row_labels), len(col_labels))
     cell_w = cell if cell_width is None else cell_width
-    panel_w, panel_h = cell_w * max(len(col_labels), min_cells), cell * max(len(row_labels), min_cells)
-    left = _label_inches(row_labels, size) + _AXIS_LABEL
-    bottom = _label_inches(col_labels, size) + _AXIS_LABEL
-    gap_w, gap_h = 0.2, _TITLE
-    top = _TITLE * title_lines
-    panels_right, title_right = _right_edges(
-        ncols, row_labels, col_labels, title_inches, title_at_panel, cell_w, min_cells
+    left, panel_w, panels_right, title_right = _widths(
+        ncols, row_labels, col_labels, cell_w, min_cells, title_inches, title_at_panel
     )
+    panel_h = cell * max(len(row_labels), min_cells)
+    bottom = _label_inches(col_labels, size) + _AXIS_LABEL
+    gap_w, gap_h = _GAP, _TITLE
+    top = _TITLE * title_lines
     width = max(panels_right + _COLORBAR, title_right)
     height = bottom + nrows * panel_h + (nrows - 1) * gap_h + top
     panels = [
@@ -237,20 +240,22 @@ def _grid_figure(
     return Figure(figsize=(width, height), dpi=100), panels, colorbar, size
 
 
-def _right_edges(
+def _widths(
     ncols: int,
     row_labels: Sequence[str],
     col_labels: Sequence[str],
-    title_inches: float,
-    title_at_panel: bool,
     cell_w: float,
     min_cells: int,
-) -> tuple[float, float]:
-    """Inches from a grid figure's left edge to its panels' right edge and to its title's: the title starts at the
-    panel's left edge (one heatmap) or near the figure's (a grid's suptitle)."""
+    title_inches: float,
+    title_at_panel: bool,
+) -> tuple[float, float, float, float]:
+    """Inches across a grid figure: the left margin (tick labels and axis name), a panel's width, and from the
+    figure's left edge to the panels' right edge and to the title's (which starts at the panel's left edge for one
+    heatmap, near the figure's for a grid's suptitle)."""
     left = _label_inches(row_labels, _font_size(len(row_labels), len(col_labels))) + _AXIS_LABEL
-    panels_right = left + ncols * cell_w * max(len(col_labels), min_cells) + (ncols - 1) * 0.2
-    return panels_right, title_inches + (left if title_at_panel else 0)
+    panel_w = cell_w * max(len(col_labels), min_cells)
+    panels_right = left + ncols * panel_w + (ncols - 1) * _GAP
+    return left, panel_w, panels_right, title_inches + (left if title_at_panel else 0)
 
 
 def _heatmap_title(title: str) -> float:
@@ -264,11 +269,12 @@ def _grid_title(title: str) -> float:
 def title_sets_width(title: str, row_labels: Sequence[str], col_labels: Sequence[str], heads: int = 0) -> bool:
     """Whether a :func:`heatmap`'s (``heads`` 0) or :func:`head_grid`'s figure is as wide as its title needs rather
     than as its panels and colour bar: only then does the title's length change the figure's layout."""
-    if heads:
-        edges = _right_edges(min(heads, 4), row_labels, col_labels, _grid_title(title), False, _CELL * 0.75, 8)
-    else:
-        edges = _right_edges(1, row_labels, col_labels, _heatmap_title(title), True, _CELL, 8)
-    return edges[1] > edges[0] + _COLORBAR
+    if heads:  # head_grid's panels and title
+        ncols, cell_w, title_inches, at_panel = min(heads, _GRID_COLUMNS), _GRID_CELL, _grid_title(title), False
+    else:  # heatmap's
+        ncols, cell_w, title_inches, at_panel = 1, _CELL, _heatmap_title(title), True
+    _, _, panels_right, title_right = _widths(ncols, row_labels, col_labels, cell_w, _MIN_CELLS, title_inches, at_panel)
+    return title_right > panels_right + _COLORBAR
 
 
 def heatmap(
@@ -329,11 +335,11 @@ def head_grid(
     """
     heads = matrices.shape[0]
     titles = [f"head {h}" for h in range(heads)] if titles is None else list(titles)
-    ncols = min(heads, 4)
+    ncols = min(heads, _GRID_COLUMNS)
     nrows = math.ceil(heads / ncols)
     title_inches = _grid_title(title)
     figure, panels, colorbar, size = _grid_figure(
-        nrows, ncols, row_labels, col_labels, 2, cell=_CELL * 0.75, title_inches=title_inches
+        nrows, ncols, row_labels, col_labels, 2, cell=_GRID_CELL, title_inches=title_inches
     )
     limit = abs_max(matrices) if vmax is None else vmax
     for h in range(heads):
