@@ -23,8 +23,18 @@ __all__ = [
     "safe_divide",
     "square_tiles",
     "sum_by_blocks",
+    "to_host_flat",
     "x_log_x",
 ]
+
+
+def to_host_flat(tensors: Iterable[Tensor], dtype: torch.dtype) -> Tensor:
+    """Every tensor flattened, in ``dtype``, one after another in one CPU tensor, moved from the device in one copy
+    (a copy each would be a host sync each on a GPU); gathered on the first one's device (a module of a model split
+    across devices may lie on another)."""
+    tensors = list(tensors)
+    device = tensors[0].device
+    return torch.cat([tensor.detach().reshape(-1).to(device, dtype) for tensor in tensors]).cpu()
 
 
 def x_log_x(x: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attn_callbacks.blocks import to_host_flat
 from attn_callbacks.dashboard import HEAD_METRICS, HeadMetric, head_grid_rows
 from attn_callbacks.figure_cache import FigureCache
 from attn_callbacks.figures import abs_max
@@ -131,9 +132,7 @@ class Images:
         below a line), a column per head, each cell's value printed in it. Metrics with a natural range keep it
         (:data:`~attn_callbacks.dashboard.HEAD_METRICS`); the others follow ``color_scale``."""
         metric = HEAD_METRICS.get(key, HeadMetric(key))
-        # Every module's values in one copy to the host (one each would be a host sync each on a GPU).
-        device = next(iter(values.values())).device
-        flat = torch.cat([v.detach().reshape(-1).to(device, torch.float64) for v in values.values()]).cpu().numpy()
+        flat = to_host_flat(values.values(), torch.float64).numpy()
         ends = np.cumsum([v.numel() for v in values.values()])
         numbers = dict(zip(values, np.split(flat, ends[:-1]), strict=True))
         rows, row_labels, groups = head_grid_rows(numbers, square)

@@ -22,6 +22,7 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 
 from attn_callbacks.accumulate import AttentionStats
+from attn_callbacks.blocks import to_host_flat
 from attn_callbacks.export import save_epoch
 from attn_callbacks.kernels import _numba_kernels, uses_numba
 from attn_callbacks.streams import Streams
@@ -95,9 +96,7 @@ def log_layer(pl_module: LightningModule, scalars: dict[str, Tensor]) -> None:
     its own small kernels and read back with its own synchronisation."""
     if not scalars:
         return
-    device = next(iter(scalars.values())).device
-    values = torch.stack([value.detach().reshape(()).float().to(device) for value in scalars.values()]).cpu()
-    for tag, value in zip(scalars, values, strict=True):
+    for tag, value in zip(scalars, to_host_flat(scalars.values(), torch.float32), strict=True):
         # Already summed over ranks by compute(): sync_dist would only average equal numbers. Our own dataloader
         # suffixes replace Lightning's, which would otherwise append one for the current dataloader.
         pl_module.log(tag, value, on_step=False, on_epoch=True, sync_dist=False, add_dataloader_idx=False)
@@ -120,8 +119,7 @@ def log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
     # Lightning's own step for epoch-end metrics (its LoggerConnector reads the same counter, unless the model logs
     # a metric named "step"); global_step is one more at the end of a training epoch.
     step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-    device = next(iter(heads.values())).device
-    values = iter(torch.cat([v.detach().reshape(-1).double().to(device) for v in heads.values()]).tolist())
+    values = iter(to_host_flat(heads.values(), torch.float64).tolist())
     metrics: dict[str, float] = {
         f"{tag}/head_{h}{suffix}": next(values) for (tag, suffix), v in heads.items() for h in range(v.numel())
     }

@@ -69,3 +69,8 @@ def test_safe_divide_into_the_denominator_or_a_tensor_of_another_dtype(device):
     counts, total = torch.tensor([3, 0, 6], device=device), torch.tensor([2, 0, 4], device=device)
     into = torch.empty(3, device=device)  # float32: the float64 quotient is cast, as a copy would
     assert safe_divide(counts, total, out=into).tolist() == [1.5, 0.0, 1.5] and into.dtype == torch.float32
+
+
+def test_to_host_flat_puts_every_tensor_flattened_into_one_cpu_tensor():
+    got = blocks.to_host_flat([torch.tensor(1.5), torch.tensor([2, 3]), torch.ones(2, 1)], torch.float64)
+    assert got.dtype == torch.float64 and got.device.type == "cpu" and got.tolist() == [1.5, 2.0, 3.0, 1.0, 1.0]
