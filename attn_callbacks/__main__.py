@@ -21,10 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from attn_callbacks.drift import Snapshot, moved_tokens
-from attn_callbacks.export import EpochRecord, load_epoch
-from attn_callbacks.streams import label_tokens
-from attn_callbacks.summary import drift_between
+from attn_callbacks.base.labels import label_tokens
+from attn_callbacks.metrics.drift import Snapshot, moved_tokens
+from attn_callbacks.metrics.summary import drift_between
+from attn_callbacks.output.export import EpochRecord, load_epoch
 
 __all__ = ["main"]
 

@@ -1,13 +1,12 @@
 """The pure tensor functions, in one namespace: accumulating attention weights into vocabulary × vocabulary sums, and
-every epoch metric computed from the sums. Each lives in the module of its idea (:mod:`~attn_callbacks.kernels`,
-:mod:`~attn_callbacks.summary`, :mod:`~attn_callbacks.drift`, :mod:`~attn_callbacks.tables`,
-:mod:`~attn_callbacks.blocks`); nothing here knows about Lightning or hooks.
+every epoch metric computed from the sums. Each lives in the module of its idea (:mod:`~attn_callbacks.sums.step`,
+:mod:`~attn_callbacks.metrics.summary`, :mod:`~attn_callbacks.metrics.drift`, :mod:`~attn_callbacks.metrics.tables`,
+:mod:`~attn_callbacks.base.tensor_ops`); nothing here knows about Lightning or hooks.
 """
 
-from attn_callbacks.blocks import row_plogp, safe_divide
-from attn_callbacks.drift import attention_drift, js_divergence, moved_tokens
-from attn_callbacks.kernels import POSITION_STATS, accumulate_attention, pair_index
-from attn_callbacks.summary import (
+from attn_callbacks.base.tensor_ops import row_plogp, safe_divide
+from attn_callbacks.metrics.drift import attention_drift, js_divergence, moved_tokens
+from attn_callbacks.metrics.summary import (
     asymmetry_index,
     attention_mass,
     in_degree,
@@ -19,7 +18,8 @@ from attn_callbacks.summary import (
     row_entropy,
     sink_mass,
 )
-from attn_callbacks.tables import one_way_pairs, pagerank, top_pairs, top_tokens
+from attn_callbacks.metrics.tables import one_way_pairs, pagerank, top_pairs, top_tokens
+from attn_callbacks.sums.step import POSITION_STATS, accumulate_attention, pair_index
 
 __all__ = [
     "POSITION_STATS",

@@ -40,6 +40,17 @@ class Schedule:
         seen, self.validation_epochs = self.validation_epochs, self.validation_epochs + 1
         return seen % self.log_every_n_epochs == 0
 
+    @staticmethod
+    def loaders(trainer: Trainer) -> tuple[Any, list[int | float], int]:
+        """The evaluation dataloaders of the running stage, their batch limits, and how many there are; known before
+        the epoch starts, and the same on every rank (so DDP ranks hold the same metrics)."""
+        if trainer.testing:
+            loaders, limits = trainer.test_dataloaders, trainer.num_test_batches
+        else:
+            loaders, limits = trainer.val_dataloaders, trainer.num_val_batches
+        batches = trainer.num_sanity_val_batches if trainer.sanity_checking else limits
+        return loaders, limits, max(len(batches), 1)
+
     def batch(self, batch_idx: int) -> bool:
         """Whether batch ``batch_idx`` of a dataloader of a monitored epoch is monitored."""
         return self.limit_batches is None or batch_idx < self.limit_batches

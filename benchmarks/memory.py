@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from attn_callbacks.config import format_bytes as _format_bytes
+from attn_callbacks.base.config import format_bytes as _format_bytes
 from attn_callbacks.metrics import AttentionAccumulator
 from attn_callbacks.tokens import parse_bytes
 

@@ -61,7 +61,7 @@ from _workload import (
     validate,
 )
 from attn_callbacks import AttentionMonitor
-from attn_callbacks.capture import AttentionCapture, find_attention_modules
+from attn_callbacks.capture.hooks import AttentionCapture, find_attention_modules
 from attn_callbacks.cuda_graphs import graph_status
 
 WARM_UP_EPOCHS = 3

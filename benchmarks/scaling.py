@@ -6,7 +6,7 @@ Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast 
 on CPU, where numba runs; the torch code on a CUDA device, where there is one) on softmax weights with Zipf(1) token
 ids, median of 5 after a warm-up. ``ns/weight`` divides by the B·H·L² weights read: flat down a column means the cost is
 linear in B·H·L²; flat across the vocabulary block means V only costs memory. A last section times the numba kernel
-against the torch code (:func:`attn_callbacks.kernels.accumulate_attention_torch`, with its pair index) at the base
+against the torch code (:func:`attn_callbacks.sums.step.accumulate_attention_torch`, with its pair index) at the base
 shape, on CPU, or on a GPU the step replayed as a CUDA graph against the same step op by op; ``--profile`` prints
 torch.profiler's table of a step (on a GPU: the time of each kernel).
 """
@@ -25,7 +25,7 @@ import torch
 from _workload import best_of, device_label
 from attn_callbacks import functional as F
 from attn_callbacks.cuda_graphs import GRAPH_SWITCH, graph_status
-from attn_callbacks.kernels import accumulate_attention_torch, uses_numba
+from attn_callbacks.sums.step import accumulate_attention_torch, uses_numba
 
 BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the callback's sums live on the model's device

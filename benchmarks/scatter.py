@@ -2,7 +2,7 @@
 13 channels (12 heads and the uniform baseline) × 32 × 128 × 128 pairs into ``(13, V²)`` sums, V = 1,025 (1,024
 tracked ids and ``<other>``), with the pair indices of Zipf(1) ids over 30,522 (~10 % of the pairs in the one cell
 ``(<other>, <other>)``), of those with that cell's pairs spread over others, of uniform ids, and with 20 % of the
-pairs ignored (padding) sent to one cell or spread by position as :func:`attn_callbacks.kernels.pair_index` does;
+pairs ignored (padding) sent to one cell or spread by position as :func:`attn_callbacks.sums.step.pair_index` does;
 last, what the torch step does with the Zipf ids: that cell's pairs summed apart (a masked sum per channel, then the
 pairs zeroed and sent to their position's cell), everything included.
 

@@ -1,4 +1,5 @@
-"""Write ``docs/options.md`` from ``AttentionMonitor``'s docstring and signature, so the two never disagree.
+"""Write ``docs/options.md`` from ``AttentionMonitor``'s signature and the docstring of its arguments (those of
+``attn_callbacks.options.MonitorOptions``, its constructor), so the two never disagree.
 
     python docs/make_options.py           # rewrites docs/options.md
     python docs/make_options.py --check   # exit status 1 when docs/options.md is out of date
@@ -21,10 +22,10 @@ PAGE = Path(__file__).resolve().parent / "options.md"
 HEADER = """\
 # Options
 
-Every argument of `AttentionMonitor`, in the order of its signature. This page is generated from the class
-docstring by `python docs/make_options.py` (edit the docstring, then rerun it; `tests/test_docs.py` fails when the
-two differ). The [README](../README.md#main-options) shows the main ones; [tags.md](tags.md) says what each logged
-tag is and [reading.md](reading.md) how to read it.
+Every argument of `AttentionMonitor`, in the order of its signature. This page is generated from the docstring of
+`MonitorOptions` in `attn_callbacks/options.py` by `python docs/make_options.py` (edit the docstring, then rerun it;
+`tests/test_docs.py` fails when the two differ). The [README](../README.md#main-options) shows the main ones;
+[tags.md](tags.md) says what each logged tag is and [reading.md](reading.md) how to read it.
 """
 
 CLI = """\
@@ -130,7 +131,8 @@ def render(cls: Any | None = None) -> str:
     if cls is None:
         from attn_callbacks import AttentionMonitor as cls
     signature = inspect.signature(cls)
-    texts = args_section(cls.__doc__ or "")
+    # The Args: section of the first class in the MRO that documents them (AttentionMonitor's are MonitorOptions').
+    texts = args_section(next((k.__doc__ for k in inspect.getmro(cls) if "Args:" in (k.__doc__ or "")), ""))
     parameters = list(signature.parameters)
     undocumented = [name for name in parameters if name not in texts]
     unknown = [name for name in texts if name not in parameters]

@@ -10,8 +10,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from attn_callbacks.blocks import safe_divide
-from attn_callbacks.kernels import POSITION_STATS
+from attn_callbacks.base.tensor_ops import safe_divide
+from attn_callbacks.sums.step import POSITION_STATS
 
 # The Lightning accelerator of the end-to-end tests: "cpu" in CI; "gpu" runs them on a CUDA device where one exists.
 ACCELERATOR = os.environ.get("ATTN_CALLBACKS_TEST_ACCELERATOR", "cpu")
@@ -156,11 +156,11 @@ def figure_to_array(figure: Figure) -> np.ndarray:
 
 
 def words(artist, gid):
-    """The :class:`~attn_callbacks.outlines.Words` of ``artist`` (a figure or an axes) marked ``gid``: its tick
-    labels, colour bar numbers or title, whose ``texts`` are the strings drawn."""
-    from attn_callbacks.outlines import Words
+    """The :class:`~attn_callbacks.output.text_outlines.OutlinedTexts` of ``artist`` (a figure or an axes) marked
+    ``gid``: its tick labels, colour bar numbers or title, whose ``texts`` are the strings drawn."""
+    from attn_callbacks.output.text_outlines import OutlinedTexts
 
-    (found,) = [w for w in artist.findobj(Words) if w.get_gid() == gid]
+    (found,) = [w for w in artist.findobj(OutlinedTexts) if w.get_gid() == gid]
     return found
 
 
@@ -200,12 +200,12 @@ def returned(obj, method, spy):
 def copied(stats):
     """An AttentionStats of copies of every raw sum (the epoch end divides ``S`` into ``P`` in place, and the sums
     are zeroed or handed on when it ends)."""
-    from attn_callbacks.accumulate import SUM_FIELDS, AttentionStats
+    from attn_callbacks.sums.accumulator import SUM_FIELDS, AttentionStats
 
     return AttentionStats(*(getattr(stats, field).to("cpu", copy=True) for field in SUM_FIELDS))
 
 
-# Cases and loops shared by test_kernels.py and test_summary.py.
+# Cases and loops shared by test_step.py and test_summary.py.
 def naive_accumulate(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
     """float64 Python-loop reference of S, C, Q."""
     b_, h_, lq, lk = weights.shape

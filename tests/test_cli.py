@@ -10,7 +10,7 @@ import yaml
 pytest.importorskip("jsonargparse")  # LightningCLI needs the [cli] extra (part of [test])
 
 from attn_callbacks import AttentionMonitor
-from attn_callbacks.config import parse_bytes
+from attn_callbacks.base.config import parse_bytes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = EXAMPLES / "attention_monitor.yaml"

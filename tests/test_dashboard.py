@@ -12,11 +12,12 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 from torch.utils.data import DataLoader
 
-from attn_callbacks import AttentionMonitor, dashboard, figure_cache, figures
-from attn_callbacks.images import Images
+from attn_callbacks import AttentionMonitor
+from attn_callbacks.output import dashboard, figure_cache, figures
+from attn_callbacks.output.images import Images
 
 
-def test_per_head_series_move_to_a_heads_section_and_grids_are_named_by_family_and_metric():
+def test_per_head_series_move_to_a_heads_section_grids_are_named_by_family_metric():
     assert dashboard.head_tag("attention", "position/entropy", "enc.0") == "attention_position_heads/entropy/enc.0"
     assert dashboard.head_tag("attention", "drift/js_prev", "enc.0") == "attention_drift_heads/js_prev/enc.0"
     assert dashboard.head_tag("attention_test", "entropy", "") == "attention_test_entropy_heads/"
@@ -151,7 +152,7 @@ def test_cell_text_is_short(value, text):
     assert figures.cell_text(value) == text and len(text) <= 6
 
 
-def test_metric_grid_uses_the_metrics_natural_range_and_otherwise_the_colour_scale_option():
+def test_metric_grid_uses_the_metrics_natural_range_else_the_colour_scale_option():
     seen = []
 
     class Spy(figure_cache.FigureCache):
@@ -189,9 +190,7 @@ def _loader(seed):
     return DataLoader(list(ids.split(4)), batch_size=None)
 
 
-def test_validate_only_run_writes_head_grids_of_the_logged_values_and_a_layout_covering_every_head(
-    tmp_path, monkeypatch
-):
+def test_validate_only_run_writes_head_grids_of_logged_values_layout_of_every_head(tmp_path, monkeypatch):
     drawn = {}  # grid tag -> the values drawn
     metric_grid = Images.metric_grid
 

@@ -142,7 +142,7 @@ def test_moved_tokens_orders_by_js_and_keeps_supported_rows_only():
 
 
 @pytest.mark.parametrize("heads", [None, 3])
-def test_attention_drift_row_divergence_is_each_rows_js_and_nan_where_rows_do_not_count(heads):
+def test_attention_drift_row_divergence_is_each_rows_js_nan_where_rows_do_not_count(heads):
     current, reference, current_count, reference_count = _random_drift_case(19, heads=heads)
     # min_support 1 keeps 4 of 6 rows (the one-pass path), 3 keeps 2 (the gathered rows)
     for min_support in (1, 3):
@@ -181,8 +181,8 @@ def test_moved_tokens_hand_computed_with_ties():
     assert F.moved_tokens(current, reference, counts, counts, k=5, min_support=3) == []
 
 
-def test_drift_memory_drops_a_reference_of_another_shape_and_keeps_the_previous_epoch():
-    from attn_callbacks.drift import DriftMemory
+def test_drift_memory_drops_a_reference_of_another_shape_keeps_the_previous_epoch():
+    from attn_callbacks.metrics.drift import DriftMemory
 
     memory = DriftMemory()
     memory.remember(0, {"enc": (torch.rand(2, 4, 3), torch.ones(4, dtype=torch.long), {})})  # the reference
@@ -197,10 +197,10 @@ def views_of(sums: torch.Tensor, heads: int = 2, vocab: int = 3) -> torch.Tensor
     return sums[:heads].view(heads, vocab, vocab)
 
 
-def test_drift_memory_hands_the_sums_the_memory_of_the_packed_state_a_retired_p_was_computed_in():
+def test_drift_memory_hands_the_sums_the_packed_state_a_retired_p_was_computed_in():
     """P computed where S lay (a view of the packed sums, U beside it): while a snapshot keeps it, the sums need other
     memory; that of a retired snapshot's packed state, once there is one, else fresh memory (None)."""
-    from attn_callbacks.drift import DriftMemory
+    from attn_callbacks.metrics.drift import DriftMemory
 
     heads, vocab = 2, 3
     memory, count, states, views = DriftMemory(), torch.ones(vocab, dtype=torch.long), [], []
@@ -237,8 +237,8 @@ def test_drift_memory_hands_the_sums_the_memory_of_the_packed_state_a_retired_p_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_drift_memory_keeps_a_gpu_p_in_page_locked_host_memory_and_reuses_a_retired_ones():
-    from attn_callbacks.drift import DriftMemory
+def test_drift_memory_keeps_a_gpu_p_in_page_locked_host_memory_reuses_retired_ones():
+    from attn_callbacks.metrics.drift import DriftMemory
 
     heads, vocab = 2, 5
     memory, kept = DriftMemory(), []
@@ -279,7 +279,7 @@ def test_drift_memory_keeps_a_gpu_p_in_page_locked_host_memory_and_reuses_a_reti
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_drift_memory_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
-    from attn_callbacks import drift
+    from attn_callbacks.metrics import drift
 
     empty = torch.empty
 

@@ -12,8 +12,8 @@ import torch
 from attn_callbacks import EpochRecord, export_graph, load_epoch, save_epoch
 from attn_callbacks import functional as F
 from attn_callbacks.__main__ import main
-from attn_callbacks.accumulate import SUM_FIELDS, AttentionAccumulator, AttentionStats
-from attn_callbacks.export import FORMAT_VERSION
+from attn_callbacks.output.export import FORMAT_VERSION
+from attn_callbacks.sums.accumulator import SUM_FIELDS, AttentionAccumulator, AttentionStats
 
 HEADS, BATCH, LENGTH = 2, 3, 5
 LABELS = ["<s>", "the", "cat", "sat", "on\nthe mat", "."]

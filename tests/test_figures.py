@@ -6,10 +6,10 @@ import pytest
 from _reference import figure_to_array, words
 from PIL import Image
 
-from attn_callbacks import figure_cache, figures
-from attn_callbacks.streams import label_tokens
-from attn_callbacks.tables import markdown_table
-from attn_callbacks.writer import png_bytes
+from attn_callbacks.base.labels import label_tokens
+from attn_callbacks.metrics.tables import markdown_table
+from attn_callbacks.output import figure_cache, figures
+from attn_callbacks.output.writer import png_bytes
 
 
 def test_label_tokens_list_dict_callable_and_ids():
@@ -46,7 +46,7 @@ def test_markdown_table_escapes_pipes():
     assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 0.123 |"]
 
 
-def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_memory_cap():
+def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_respects_its_memory_cap():
     rng = np.random.default_rng(0)
     labels = [f"t{i}" for i in range(12)]
     cache = figure_cache.FigureCache()
@@ -102,7 +102,7 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_and_respects_its_me
     assert decoded.shape == again.shape and np.array_equal(decoded, again)
 
 
-def test_maps_whose_titles_fit_above_the_panel_share_one_figure_and_equal_fresh_renders():
+def test_maps_whose_titles_fit_above_the_panel_share_a_figure_equal_fresh_renders():
     """A title narrower than the panel and colour bar leaves the figure as it is: every family's map of a layer
     (asymmetry, lift, drift: titles of other lengths) is drawn in one figure. A longer title widens the figure: a
     figure of its own. Every render equals a fresh one."""
@@ -258,7 +258,7 @@ def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(dive
 
 
 @pytest.mark.parametrize(("diverging", "limit"), [(False, 0.213), (True, 1.23e-05), (True, 1.23e100)])
-def test_colour_bar_reads_its_scale_at_five_marks_and_its_label_sits_beside_the_numbers(diverging, limit):
+def test_colour_bar_reads_its_scale_at_five_marks_its_label_beside_the_numbers(diverging, limit):
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

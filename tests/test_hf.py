@@ -18,8 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALA
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules, load_epoch
-from attn_callbacks.capture import num_heads
-from attn_callbacks.streams import label_tokens
+from attn_callbacks.base.labels import label_tokens
+from attn_callbacks.capture.hooks import num_heads
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -109,7 +109,7 @@ def word_tokenizer():
         ("distilbert", [f"transformer.layer.{i}.attention" for i in range(LAYERS)]),
     ],
 )
-def test_hf_attention_modules_of_the_bert_family_are_found_and_read_as_output_attentions_gives_them(kind, names):
+def test_hf_attention_modules_of_bert_family_are_found_and_read_as_output_attentions(kind, names):
     model = tiny(kind)
     found = find_attention_modules(model)
     assert list(found) == names and all(num_heads(m) == HEADS for m in found.values())

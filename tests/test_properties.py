@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from attn_callbacks import functional as F
-from attn_callbacks import kernels
+from attn_callbacks.base.numba_loader import NUMBA_SWITCH
+from attn_callbacks.sums import step as kernels
 
 LOG2 = math.log(2)
 NUM_STATS = len(F.POSITION_STATS)
@@ -489,7 +490,7 @@ def test_accumulate_attention_split_along_batch_equals_one_call(spec, data):
 
 @_settings(120)
 @given(spec=specs(), other_id=st.sampled_from([-1, 10**6, 0]))
-def test_accumulate_attention_ignores_ids_at_ignored_positions_and_drops_nonfinite_rows_like_padding(spec, other_id):
+def test_accumulate_attention_ignores_ids_at_ignored_positions_drops_nonfinite_rows(spec, other_id):
     batch = build(spec)
     state = run(spec, batch)
     # any id (out of range too) at an ignored position changes nothing
@@ -522,7 +523,7 @@ def test_accumulate_attention_uniform_rows_sum_to_rows_with_a_visible_key(spec):
 
 @_settings(150)
 @given(spec=specs(mask_ignored_keys=True))
-def test_accumulate_attention_uniform_rows_sum_to_query_count_when_ignored_keys_are_masked(spec):
+def test_accumulate_attention_uniform_rows_sum_to_query_count_ignored_keys_masked(spec):
     # every kept row's softmax mass (1) lies on valid keys, so it has a visible key and spreads exactly 1
     state = run(spec)
     close(state["U"].sum(dim=1), state["Q"], msg="U rows sum to Q")
@@ -615,9 +616,7 @@ def test_lift_and_mean_lift_match_loop_definitions(spec):
     min_support=st.integers(1, 4),
     k=st.integers(1, 5),
 )
-def test_js_divergence_attention_drift_and_moved_tokens_between_two_epochs_match_loop_definitions(
-    spec, other, min_support, k
-):
+def test_js_divergence_attention_drift_moved_tokens_of_two_epochs_match_loops(spec, other, min_support, k):
     current, reference_ = run(spec), run(other)
     mass_t = F.attention_mass(current["S"].double(), current["Q"])
     mass_s = F.attention_mass(reference_["S"].double(), reference_["Q"])
@@ -733,7 +732,7 @@ def test_accumulate_attention_fast_path_equals_reference_path(spec):
     # sample per chunk, as for a large batch on CPU.
     for switch, chunk_bytes in (("1", kernels._CPU_CHUNK_BYTES), ("0", kernels._CPU_CHUNK_BYTES), ("0", 1)):
         with (
-            mock.patch.dict(os.environ, {kernels.NUMBA_SWITCH: switch}),
+            mock.patch.dict(os.environ, {NUMBA_SWITCH: switch}),
             mock.patch.object(kernels, "_CPU_CHUNK_BYTES", chunk_bytes),
         ):
             fast = run(spec, batch, "fast")

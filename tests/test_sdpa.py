@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules
-from attn_callbacks.capture import AttentionCapture
-from attn_callbacks.sdpa import SdpaWatch, calls_sdpa, sdpa_weights
+from attn_callbacks.capture.hooks import AttentionCapture
+from attn_callbacks.capture.sdpa import SdpaWatch, calls_sdpa, sdpa_weights
 
 
 def naive_weights(q, k, mask=None, causal=False, scale=None, gqa=False):
@@ -174,7 +174,7 @@ def scalars(trainer):
     return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
 
 
-def test_monitor_reads_a_nanogpt_style_model_as_its_float64_eager_twin_and_leaves_outputs_untouched(tmp_path):
+def test_monitor_reads_nanogpt_style_model_as_float64_eager_twin_outputs_untouched(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT().eval()
     batches = gpt_batches()
@@ -204,7 +204,7 @@ def test_monitor_reads_a_nanogpt_style_model_as_its_float64_eager_twin_and_leave
                 assert got == pytest.approx(float(heads[h]), abs=1e-4)
 
 
-def test_sdpa_modules_are_found_by_their_code_and_named_by_the_innermost_watched_module():
+def test_sdpa_modules_are_found_by_their_code_named_by_the_innermost_watched_module():
     model = TinyGPT()
     assert calls_sdpa(model.blocks[0].attn) and not calls_sdpa(model.blocks[0])
     assert list(find_attention_modules(model)) == ["blocks.0.attn", "blocks.1.attn"]
@@ -295,7 +295,7 @@ def fitted(tmp_path, name, model):
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_compiled_sdpa_model_in_fit_with_the_sanity_check_logs_the_plain_models_tags_and_values(tmp_path, backend):
+def test_compiled_sdpa_model_in_fit_with_sanity_check_logs_plain_models_tags_values(tmp_path, backend):
     torch._dynamo.reset()
     torch.manual_seed(0)
     expected = fitted(tmp_path, "plain", TinyGPT())
@@ -353,7 +353,7 @@ class TwoCallModel(nn.Module):
         return self.attn(self.emb(ids))
 
 
-def test_a_module_calling_sdpa_twice_logs_each_call_and_keeps_its_sums_for_the_next_stage(tmp_path):
+def test_module_calling_sdpa_twice_logs_each_call_keeps_its_sums_for_the_next_stage(tmp_path):
     model = TwoCallModel().eval()
     monitor = AttentionMonitor(vocab_size=12, token_ids="ids")
     _, first = run(tmp_path / "a", model, monitor, gpt_batches())
@@ -372,7 +372,7 @@ def test_a_module_calling_sdpa_twice_logs_each_call_and_keeps_its_sums_for_the_n
         assert nxt["attention_position/next/model.attn.call1"] > 0.05  # the second call does
 
 
-def test_sdpa_sums_are_checked_against_the_budget_at_the_first_call_and_feed_the_probe(tmp_path):
+def test_sdpa_sums_are_checked_against_the_budget_at_first_call_and_feed_the_probe(tmp_path):
     model = TinyGPT().eval()
     with pytest.raises(MisconfigurationException, match="over argument `memory_budget`=1000 B"):
         run(
@@ -407,7 +407,7 @@ def test_causal_bias_masks_are_read_as_the_booleans_they_stand_for():
     torch.testing.assert_close(w @ v, out, atol=1e-6, rtol=1e-6)
 
 
-def test_the_watch_leaves_the_mode_stack_by_identity_and_stays_out_of_compiled_tracing():
+def test_the_watch_leaves_the_mode_stack_by_identity_stays_out_of_compiled_tracing():
     model = TinyGPT()
     capture = AttentionCapture(find_attention_modules(model), lambda *call: None).attach()
     other = torch.overrides.TorchFunctionMode()

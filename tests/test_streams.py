@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from attn_callbacks.config import resolve_vocab_sizes, stream_getters
-from attn_callbacks.streams import check_ids_in_range, read_stream, resolve_streams
+from attn_callbacks.base.config import resolve_vocab_sizes, stream_getters
+from attn_callbacks.capture.streams import check_ids_in_range, read_stream
+from attn_callbacks.capture.wiring import resolve_streams
 
 
 def test_stream_getters_single_and_mapping():

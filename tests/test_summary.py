@@ -55,7 +55,7 @@ def test_lift_hand_computed_and_zero_where_uniform_is_zero():
     torch.testing.assert_close(per_head, torch.tensor([[[2.0, 0.5]], [[0.0, 2.0]]]))
 
 
-def test_lift_is_one_for_uniform_attention_overvisible_keys_with_causal_mask_and_padding():
+def test_lift_is_one_for_uniform_attention_over_visible_keys_causal_mask_padding():
     case = masked_case(3, 2, [6, 4, 2], vocab=5, causal=True, uniform=True, seed=11)
     S, _, Q, U, _, skipped = run_full(*case, 5, 5)
     assert skipped == 0
@@ -203,7 +203,7 @@ def test_in_degree_matches_loop_and_sums_to_one_over_keys():
     torch.testing.assert_close(F.in_degree(S, Q).sum(), torch.tensor(2 - lost / float(Q.sum())))
 
 
-def test_position_statistics_normalised_entropy_stays_at_most_one_when_ignored_keys_get_weight():
+def test_position_statistics_normalised_entropy_at_most_one_when_ignored_keys_weigh():
     # one query row, weights [0.3, 0.3, 0.4], the third key ignored: over the valid keys the row is [0.5, 0.5]
     weights = torch.tensor([[[[0.3, 0.3, 0.4]]]])
     ids = torch.tensor([[0]]), torch.tensor([[0, 1, 2]])

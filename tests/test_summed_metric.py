@@ -1,5 +1,5 @@
-"""The torchmetrics private API that attn_callbacks.summed_metric relies on. When a torchmetrics release changes it,
-these fail loudly: adapt summed_metric.py, then move the upper bound in pyproject.toml."""
+"""The torchmetrics private API that attn_callbacks.sums.summed_metric relies on. When a torchmetrics release changes
+it, these fail loudly: adapt summed_metric.py, then move the upper bound in pyproject.toml."""
 
 import inspect
 
@@ -8,7 +8,7 @@ import torch
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from attn_callbacks.summed_metric import PRIVATE_API, SummedMetric
+from attn_callbacks.sums.summed_metric import PRIVATE_API, SummedMetric
 
 
 class Counts(SummedMetric):

@@ -122,7 +122,7 @@ def test_top_pairs_rectangular_matrix():
 
 @pytest.mark.parametrize("numba", ["1", "0"])
 @pytest.mark.parametrize("seed", range(4))
-def test_top_pairs_and_one_way_pairs_equal_a_python_sort_of_every_pair_with_many_ties(seed, numba, monkeypatch):
+def test_top_pairs_and_one_way_pairs_equal_a_python_sort_of_all_pairs_many_ties(seed, numba, monkeypatch):
     monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)  # the torch code and, where numba runs, its kernels
     g = torch.Generator().manual_seed(seed)
     size = 40
@@ -169,8 +169,8 @@ def test_one_way_pairs_keeps_a_nan_score_first_and_k_must_not_be_negative(numba,
 def five_pair_tables(sums, counts, query_count, uniform, mass, *, square, min_support):
     """The tables of one module with these sums (``sums`` per head) and ``P̄ = mass``: every token shown, labelled by
     its id, 5 pairs a table."""
-    from attn_callbacks.accumulate import AttentionStats
-    from attn_callbacks.tables import module_tables
+    from attn_callbacks.metrics.tables import module_tables
+    from attn_callbacks.sums.accumulator import AttentionStats
 
     vocab_q, vocab_k = mass.shape
     stats = AttentionStats(sums, counts, query_count, torch.tensor(0), uniform, torch.zeros(6, sums.shape[0]))
@@ -189,7 +189,7 @@ def five_pair_tables(sums, counts, query_count, uniform, mass, *, square, min_su
 
 
 @pytest.mark.parametrize("numba", ["1", "0"])
-def test_lift_pairs_table_ranks_the_lift_of_every_supported_pair_as_a_python_sort_does(numba, monkeypatch):
+def test_lift_pairs_table_ranks_every_supported_pairs_lift_as_a_python_sort_does(numba, monkeypatch):
     monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
     gen = torch.Generator().manual_seed(3)
     heads, vocab = 2, 9

@@ -7,66 +7,29 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, EventAccumulator
-from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_crc
-from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
 
-from attn_callbacks.kernels import NUMBA_SWITCH, uses_numba
-from attn_callbacks.numba_kernels import masked_crc32c
-from attn_callbacks.writer import _record_writer, add_image, log_heads, quick_checksums
+from attn_callbacks.output.writer import add_image, log_heads
 
 
-def test_masked_crc32c_equals_tensorboards_for_any_length():
-    rng = np.random.default_rng(0)
-    for size in (0, 1, 3, 8, 255, 4096, 100_003):
-        data = rng.integers(0, 256, size, dtype=np.uint8)
-        assert int(masked_crc32c(data)) == tensorboard_crc(data.tobytes()), size
-
-
-def test_quick_checksums_write_records_tensorboard_reads_back_and_leave_the_writer_as_it_was(tmp_path):
+def test_add_image_writes_an_event_tensorboard_reads_back_beside_other_records(tmp_path):
     writer = SummaryWriter(str(tmp_path))
-    record = _record_writer(writer)
-    assert isinstance(record, RecordWriter) and "write" not in vars(record)
     image = np.random.default_rng(1).integers(0, 256, (40, 50, 4), dtype=np.uint8)
-    with quick_checksums(writer):
-        assert ("write" in vars(record)) == uses_numba("cpu")  # this writer's records only; none with numba off
-        add_image(writer, "picture", image, 3)
-        for step in range(5):
-            writer.add_scalar("loss", 0.5**step, step)
-    assert "write" not in vars(record) and record.write.__func__ is RecordWriter.write
-    writer.add_scalar("loss", 0.125, 7)  # TensorBoard's own checksums again, in the same file
+    add_image(writer, "picture", image, 3)
+    for step in range(5):
+        writer.add_scalar("loss", 0.5**step, step)
     writer.close()
     # The reader checks every record's two checksums: a wrong one raises DataLossError.
     events = EventAccumulator(str(tmp_path), size_guidance={IMAGES: 0, SCALARS: 0})
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, 0.5**s) for s in range(5)] + [(7, 0.125)]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, 0.5**s) for s in range(5)]
     (picture,) = events.Images("picture")
     assert (picture.step, picture.width, picture.height) == (3, 50, 40)
 
 
-def test_quick_checksums_leave_other_writers_alone():
-    with quick_checksums(None):
-        pass
-    assert _record_writer(object()) is None
-
-
-def test_quick_checksums_change_nothing_with_numba_switched_off(tmp_path, monkeypatch):
-    monkeypatch.setenv(NUMBA_SWITCH, "0")
-    writer = SummaryWriter(str(tmp_path))
-    record = _record_writer(writer)
-    with quick_checksums(writer):
-        assert "write" not in vars(record)
-        writer.add_scalar("loss", 0.5, 1)
-    writer.close()
-    events = EventAccumulator(str(tmp_path), size_guidance={SCALARS: 0})
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5)]
-
-
-def test_log_heads_writes_one_tensorboard_event_of_every_value_and_other_loggers_as_lightning_does(tmp_path):
-    """A TensorBoardLogger gets every per-head scalar of the epoch end in one event (an event per scalar cost ~36 µs
-    each); one with a prefix, and any other logger, get them through their own ``log_metrics``: the same values."""
+def test_log_heads_gives_every_logger_the_values_at_lightnings_step(tmp_path):
+    """Every logger, a TensorBoardLogger with or without a prefix and a CSV one, gets the per-head scalars through its
+    own ``log_metrics``, at the step Lightning logs the layer scalars at."""
     heads = {
         ("attention_entropy_heads/enc", ""): torch.tensor([0.5, 0.25]),
         ("attention_position_heads/self/enc", "/dataloader_1"): torch.tensor([1.0]),
@@ -92,10 +55,10 @@ def test_log_heads_writes_one_tensorboard_event_of_every_value_and_other_loggers
     log_heads(trainer, heads)
     for logger in (plain, prefixed, table):
         logger.finalize("success")
-    (events,) = Path(plain.log_dir).glob("events.*")
-    summaries = [event for event in LegacyEventFileLoader(str(events)).Load() if event.HasField("summary")]
-    assert len(summaries) == 1 and summaries[0].step == 7
-    assert {value.tag: value.simple_value for value in summaries[0].summary.value} == pytest.approx(expected)
+    read = EventAccumulator(plain.log_dir, size_guidance={SCALARS: 0})
+    read.Reload()
+    got = {tag: [(e.step, e.value) for e in read.Scalars(tag)] for tag in read.Tags()["scalars"]}
+    assert got == {tag: [(7, pytest.approx(value))] for tag, value in expected.items()}
     read = EventAccumulator(prefixed.log_dir, size_guidance={SCALARS: 0})
     read.Reload()
     got = {tag: [(e.step, e.value) for e in read.Scalars(tag)] for tag in read.Tags()["scalars"]}

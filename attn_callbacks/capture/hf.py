@@ -1,0 +1,200 @@
+"""Hugging Face ``transformers`` attention modules: finding them and reading their weights (the ``[hf]`` extra).
+
+A model of the BERT family (``BertModel``, ``RobertaModel``, ``DistilBertModel``, ``ElectraModel``, ...) declares in
+``_can_record_outputs`` which module classes produce its ``attentions`` (and ``cross_attentions``) and at which index
+of their output tuple. With ``attn_implementation="eager"`` those modules return the softmaxed weights
+``(B, H, Lq, Lk)`` on every call, whether or not ``output_attentions`` was asked for, so a plain forward hook reads
+them without changing the call. SDPA, flash and flex attention return ``None`` there: nothing to read. Under SDPA
+the weights are recomputed from the calls instead (:mod:`attn_callbacks.capture.sdpa`), under the same module names;
+flash and flex attention are refused. :func:`seq2seq_streams` wires an encoder-decoder's modules to the streams
+``src`` and ``tgt``.
+
+Nothing here imports ``transformers``: a model can only hold its modules if the user has imported it already.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+__all__ = [
+    "attention_outputs",
+    "attention_records",
+    "check_readable",
+    "implementation",
+    "missing_key_hint",
+    "no_weights_message",
+    "seq2seq_streams",
+    "unsupported_hint",
+]
+
+_ATTENTION_KEYS = ("attentions", "cross_attentions")
+
+
+def attention_outputs(model: nn.Module) -> dict[str, int]:
+    """Every Hugging Face attention module in ``model`` by its ``named_modules()`` name -> the index of the
+    attention weights in that module's output tuple (see :func:`attention_records`)."""
+    return {name: index for name, (index, _) in attention_records(model).items()}
+
+
+def attention_records(model: nn.Module) -> dict[str, tuple[int, bool]]:
+    """Every Hugging Face attention module in ``model`` by its ``named_modules()`` name -> (the index of the attention
+    weights in its output tuple, whether it is recorded as cross-attention). Empty when ``transformers`` is not
+    imported.
+
+    Matched as transformers matches ``output_attentions``: each module by the ``_can_record_outputs`` of the nearest
+    Hugging Face model holding it (an encoder inside an encoder-decoder by its own), names relative to the outermost
+    one. A class recorded under both keys is read at its ``attentions`` index, as self-attention.
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return {}
+    found: dict[str, tuple[int, bool]] = {}
+
+    def visit(module: nn.Module, name: str, relative: str | None, specs: list[tuple]) -> None:
+        if isinstance(module, transformers.PreTrainedModel):
+            recordable = getattr(type(module), "_can_record_outputs", None) or {}
+            specs = [(*_spec(spec), key) for key in _ATTENTION_KEYS for spec in _as_list(recordable.get(key))]
+            relative = "" if relative is None else relative
+        if relative is not None:
+            for target_class, class_name, layer_name, index, key in specs:
+                matches = (target_class is not None and isinstance(module, target_class)) or (
+                    class_name is not None and relative.endswith(class_name)
+                )
+                if matches and (layer_name is None or f".{layer_name.strip('.')}." in f"{relative}."):
+                    found.setdefault(name, (index, key == "cross_attentions"))
+        for child_name, child in module.named_children():
+            child_relative = None if relative is None else f"{relative}.{child_name}"
+            visit(child, f"{name}.{child_name}" if name else child_name, child_relative, specs)
+
+    visit(model, "", None, [])
+    return found
+
+
+def unsupported_hint(model: nn.Module) -> str:
+    """Why a model holding Hugging Face models has no attention module we can read, or ``""``."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return ""
+    roots = [type(m).__name__ for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
+    if not roots:
+        return ""
+    return (
+        f"; it holds the Hugging Face model {roots[0]}, which declares no attention modules we can read in "
+        f"`_can_record_outputs` (transformers {transformers.__version__}: attn_callbacks reads models that declare "
+        "them, e.g. BERT, RoBERTa, DistilBERT, ELECTRA in transformers >= 5; DeBERTa-v2 and MPNet do not)"
+    )
+
+
+def seq2seq_streams(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """(query stream, key stream) of the attention modules (:func:`attention_records`) of every Hugging Face
+    encoder-decoder model in ``model``, by ``named_modules()`` name, with the streams ``nn.Transformer`` names:
+    encoder self-attention ``("src", "src")``, decoder self-attention ``("tgt", "tgt")``, cross-attention
+    ``("tgt", "src")``."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return {}
+    parts: dict[str, str] = {}  # name prefix of each encoder / decoder -> its query stream
+    ids = {id(module): name for name, module in model.named_modules()}
+    for module in model.modules():
+        if isinstance(module, transformers.PreTrainedModel) and getattr(module.config, "is_encoder_decoder", False):
+            for stream, part in (("src", _part(module, "get_encoder")), ("tgt", _part(module, "get_decoder"))):
+                if id(part) in ids:
+                    parts.setdefault(ids[id(part)], stream)
+    roles: dict[str, tuple[str, str]] = {}
+    for name, (_, cross) in attention_records(model).items():
+        stream = next((s for prefix, s in parts.items() if name.startswith(f"{prefix}.")), None)
+        if stream is not None:
+            roles[name] = ("tgt", "src") if cross else (stream, stream)
+    return roles
+
+
+def missing_key_hint(key: Any, batch: Any) -> str:
+    """Why a seq2seq batch may lack ``key``, and how to add it: ``""`` unless ``key`` is ``decoder_input_ids`` and the
+    batch holds ``labels``."""
+    if key != "decoder_input_ids" or "labels" not in batch:
+        return ""
+    return (
+        ". A Hugging Face encoder-decoder given `labels` alone derives decoder_input_ids inside forward (labels "
+        "shifted right), where the monitor cannot read them: put them in the batch, with "
+        "transformers.DataCollatorForSeq2Seq(tokenizer, model=model), or in the LightningModule's "
+        'on_after_batch_transfer: batch["decoder_input_ids"] = '
+        'model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])'
+    )
+
+
+def _part(model: nn.Module, getter: str) -> nn.Module | None:
+    try:
+        return getattr(model, getter)()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
+def implementation(module: nn.Module) -> Any:
+    """The ``attn_implementation`` a Hugging Face attention module runs, from its own ``config`` or the first inner
+    module's that has one (T5's recorded layer holds its attention), or None."""
+    for inner in module.modules():
+        found = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+        if found is not None:
+            return found
+    return None
+
+
+def check_readable(name: str, module: nn.Module) -> None:
+    """Raise when ``module`` runs attention whose weights can be neither read (eager) nor recomputed (sdpa): flash or
+    flex attention, or a kernel of the user's.
+
+    Raises:
+        ValueError: naming the module, the implementation and what to set instead.
+    """
+    if implementation(module) not in (None, "eager", "sdpa"):
+        raise ValueError(no_weights_message(name, module))
+
+
+def no_weights_message(
+    name: str, module: nn.Module, running: Any = None, index: int | None = None, got: Any = None
+) -> str:
+    """Why a Hugging Face attention module gives no weights, and what to set (``index``, ``got``: what its output held
+    where the weights should be)."""
+    running = implementation(module) if running is None else running
+    if running in (None, "eager"):
+        what = f"a tensor of shape {tuple(got.shape)}" if hasattr(got, "shape") else type(got).__name__
+        return (
+            f"Hugging Face attention module {name!r} ({type(module).__name__}) returned {what} at index {index} of "
+            "its output, where attention weights (B, H, Lq, Lk) were expected; select other modules with `modules`"
+        )
+    if running == "sdpa":  # switched after the monitor's setup decided how to read the module
+        return (
+            f"Hugging Face attention module {name!r} ({type(module).__name__}) was switched to "
+            "attn_implementation='sdpa' after the monitor's setup, which read it as eager attention: choose the "
+            "implementation before calling fit / validate / test"
+        )
+    return (
+        f"Hugging Face attention module {name!r} ({type(module).__name__}) runs attn_implementation="
+        f"{running!r}, which returns no attention weights. Load the model with "
+        '`from_pretrained(..., attn_implementation="sdpa")` (or "eager"; or a config saying so), '
+        'or call `model.set_attn_implementation("sdpa")` before training'
+    )
+
+
+def _as_list(spec: Any) -> list[Any]:
+    if spec is None:
+        return []
+    return list(spec) if isinstance(spec, (list, tuple)) else [spec]
+
+
+def _spec(spec: Any) -> tuple[type | None, str | None, str | None, int]:
+    """(target class, class-name suffix, layer name, output index) of one ``_can_record_outputs`` entry: a class, a
+    class-name string, or an ``OutputRecorder``; attention weights sit at index 1 unless the recorder says otherwise."""
+    if isinstance(spec, type):
+        return spec, None, None, 1
+    if isinstance(spec, str):
+        return None, spec, None, 1
+    return (
+        getattr(spec, "target_class", None),
+        getattr(spec, "class_name", None),
+        getattr(spec, "layer_name", None),
+        int(getattr(spec, "index", 1)),
+    )

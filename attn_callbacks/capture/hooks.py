@@ -1,0 +1,393 @@
+"""Finding attention modules and reading their per-head weights through hooks.
+
+Stock ``nn.Transformer*`` layers call attention with ``need_weights=False``. A forward pre-hook rewrites the call to
+``need_weights=True, average_attn_weights=False``; a forward hook hands the per-head weights ``(B, H, Lq, Lk)`` to a
+consumer and returns to the caller exactly what it asked for. While attached, the process-wide MHA fast path is
+switched off (the encoder-layer fast path and ``nn.TransformerEncoder``'s nested-tensor conversion bypass the hooks);
+detaching restores it and removes every hook, on every exit path.
+
+Hugging Face attention modules (see :mod:`attn_callbacks.capture.hf`) return their weights by themselves when the model
+runs eager attention: a forward hook alone reads them, and everything downstream is the same. Modules that call
+``torch.nn.functional.scaled_dot_product_attention`` (Hugging Face ones run with ``attn_implementation="sdpa"``
+included) are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch` instead, around each batch
+(:meth:`AttentionCapture.watching`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from attn_callbacks.capture import hf
+from attn_callbacks.capture.sdpa import SdpaWatch, calls_sdpa, unreadable_attention, unreadable_message
+from attn_callbacks.capture.switches import EagerCompile, FastpathOff, GlobalSwitch
+
+__all__ = [
+    "WRAPPER_PARTS",
+    "AttentionCapture",
+    "capture_attention",
+    "clean_name",
+    "find_attention_modules",
+    "module_device",
+    "named_modules",
+    "num_heads",
+    "output_indices",
+]
+
+WeightsConsumer = Callable[[str, nn.Module, Tensor, slice], None]
+
+_MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+
+
+#: Parts that wrappers insert into ``named_modules()`` names: ``torch.compile``'s ``OptimizedModule``, activation
+#: checkpointing's ``CheckpointWrapper`` and FSDP1's ``FullyShardedDataParallel``. They never reach a tag.
+WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def clean_name(name: str) -> str:
+    """A module name without the parts wrappers insert (:data:`WRAPPER_PARTS`): compiling, checkpointing or sharding
+    a model does not rename its tags.
+
+    Example:
+        >>> clean_name("enc._orig_mod.layers.0._checkpoint_wrapped_module.self_attn")
+        'enc.layers.0.self_attn'
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def named_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``model.named_modules()`` by :func:`clean_name`; where a wrapper and the module it wraps get one name, the
+    wrapped module (it comes later)."""
+    return {clean_name(name): module for name, module in model.named_modules()}
+
+
+def output_indices(model: nn.Module) -> dict[str, int]:
+    """:func:`attn_callbacks.capture.hf.attention_outputs` by :func:`clean_name`."""
+    return {clean_name(name): index for name, index in hf.attention_outputs(model).items()}
+
+
+_HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # MHA, BERT, DistilBERT / T5, GPT-2
+
+
+def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = None) -> dict[str, nn.Module]:
+    """Every attention module in ``model`` by its ``named_modules()`` name without wrapper parts (:func:`clean_name`),
+    optionally filtered: each ``nn.MultiheadAttention``, each Hugging Face attention module (``attn_callbacks[hf]``;
+    eager or sdpa attention), and each other module whose code calls ``scaled_dot_product_attention``
+    (:func:`attn_callbacks.capture.sdpa.calls_sdpa`; not the model itself, nor one inside the modules above).
+
+    Args:
+        model: the model to search.
+        patterns: fnmatch patterns over (clean) module names (``"encoder.layers.*.self_attn"``); a module is kept when
+            any pattern matches. ``None`` keeps all.
+
+    Raises:
+        ValueError: no attention module found or kept, or a pattern matches only modules that are not attention
+            modules, or matches nothing at all (the message names the pattern); or a kept module runs attention that
+            returns no weights and cannot be recomputed: Hugging Face flash / flex attention, ``flex_attention`` or the
+            ``flash_attn`` package (the message says what to use instead).
+
+    Example:
+        >>> layer = nn.TransformerEncoderLayer(8, 2)
+        >>> list(find_attention_modules(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)))
+        ['layers.0.self_attn', 'layers.1.self_attn']
+    """
+    named = named_modules(model)
+    hf_modules = output_indices(model)
+    found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
+    inside = tuple(f"{name}." for name in found)  # their inner modules' calls are theirs
+    for name, module in named.items():
+        if name and name not in found and not name.startswith(inside) and _calls_attention(module):
+            found[name] = module
+    found = {name: found[name] for name in named if name in found}  # model order
+    if not found:
+        raise ValueError(
+            "No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
+            f"scaled_dot_product_attention found in the model ({type(model).__name__}){hf.unsupported_hint(model)}"
+        )
+    if patterns is not None:
+        found = _filter(named, found, patterns)
+    for name, module in found.items():
+        if name in hf_modules:
+            hf.check_readable(name, module)
+        elif not isinstance(module, nn.MultiheadAttention) and (function := unreadable_attention(module)):
+            raise ValueError(unreadable_message(name, module, function))
+    return found
+
+
+def _calls_attention(module: nn.Module) -> bool:
+    return calls_sdpa(module) or unreadable_attention(module) is not None
+
+
+def reads_output(module: nn.Module, name: str, output_index: Mapping[str, int]) -> bool:
+    """Whether a Hugging Face attention module returns its weights (eager attention), read by a forward hook."""
+    return name in output_index and hf.implementation(module) in (None, "eager")
+
+
+def _filter(named: dict[str, nn.Module], found: dict[str, nn.Module], patterns: Sequence[str]) -> dict[str, nn.Module]:
+    kept: dict[str, nn.Module] = {}
+    for pattern in patterns:
+        matched = [name for name in named if fnmatch.fnmatchcase(name, pattern)]
+        attention = [name for name in matched if name in found]
+        if not attention:
+            what = f"only modules that are not attention modules ({', '.join(matched[:5])})" if matched else "no module"
+            raise ValueError(
+                f"Pattern {pattern!r} in argument `modules` matched {what}; attention modules: {', '.join(found)}"
+            )
+        kept.update((name, found[name]) for name in attention)
+    return {name: m for name, m in found.items() if name in kept}  # model order, not pattern order
+
+
+def module_device(module: nn.Module, default: torch.device | None = None) -> torch.device:
+    """The device of a module's first parameter (or buffer); ``default`` (the CPU when None) for a module holding
+    neither."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu") if default is None else default
+
+
+def num_heads(module: nn.Module, name: str = "") -> int:
+    """Number of heads of an attention module: ``nn.MultiheadAttention`` or a Hugging Face one (from the module, its
+    ``config``, or else its first child that says: T5's layer holding its attention). ``name`` is for the error
+    message.
+
+    Raises:
+        ValueError: the module says nowhere how many heads it has.
+    """
+    owners = [module, getattr(module, "config", None)]
+    owners += [owner for child in module.children() for owner in (child, getattr(child, "config", None))]
+    for owner in owners:
+        for attribute in _HEAD_ATTRIBUTES:
+            value = getattr(owner, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise ValueError(
+        f"Cannot tell the number of heads of attention module {name!r} ({type(module).__name__}): none of "
+        f"{', '.join(_HEAD_ATTRIBUTES)} is a positive integer on the module, its `config` or its children"
+    )
+
+
+class AttentionCapture:
+    """Hooks that force per-head attention weights out of attention modules, and a watch over the
+    ``scaled_dot_product_attention`` calls of the others.
+
+    Use :meth:`attach` / :meth:`detach` (idempotent) or the object as a context manager; SDPA calls are seen only
+    inside :meth:`watching` (the callback enters it around each monitored batch). The model's outputs are not
+    changed: a caller of an ``nn.MultiheadAttention`` that did not ask for weights gets ``(out, None)``; one that
+    asked for averaged weights gets the head average, as without the hooks. Hugging Face eager attention modules are
+    only read; SDPA calls are passed through and their weights recomputed (:mod:`attn_callbacks.capture.sdpa`).
+
+    Args:
+        modules: name -> module, as from :func:`find_attention_modules`: ``nn.MultiheadAttention`` modules are
+            hooked, Hugging Face eager ones read (those in ``output_index``), every other one watched for SDPA calls.
+        consumer: called as ``consumer(name, module, weights, rows)`` with ``weights`` of shape ``(b, H, Lq, Lk)``
+            (batch-major whatever ``batch_first`` says; ``(H, Lq, Lk)`` for an unbatched ``nn.MultiheadAttention``
+            call) for the samples ``rows`` (a ``slice``) of the call's batch: all of them, except for an SDPA call
+            recomputed a few samples at a time. The k-th SDPA call of a module in one batch (k ≥ 1) is named
+            ``f"{name}.call{k}"``.
+        disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored when the last
+            capture attached at the time detaches).
+        output_index: for Hugging Face attention modules, the index of the weights in their output tuple
+            (:func:`attn_callbacks.capture.hf.attention_outputs`); modules not named here are hooked or watched.
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module],
+        consumer: WeightsConsumer,
+        disable_fastpath: bool = True,
+        output_index: Mapping[str, int] | None = None,
+    ) -> None:
+        self.modules = dict(modules)
+        self.consumer = consumer
+        self.disable_fastpath = disable_fastpath
+        self.output_index = dict(output_index or {})
+        self.watched = {
+            name: module
+            for name, module in self.modules.items()
+            if not isinstance(module, nn.MultiheadAttention) and not reads_output(module, name, self.output_index)
+        }
+        self._handles: list[RemovableHandle] = []
+        self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
+        self._watch: SdpaWatch | None = None  # the entered watch over SDPA calls, while watching
+        self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # calls per module, until reset_calls()
+        # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
+        self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickle) is detached: hooks and the hold on the fast path stay with this one."""
+        return {
+            **self.__dict__,
+            "_handles": [],
+            "_held": [],
+            "_watch": None,
+            "_requested": defaultdict(list),
+        }
+
+    @property
+    def attached(self) -> bool:
+        """Whether hooks are currently registered (or a process-wide setting is held)."""
+        return bool(self._handles) or bool(self._held)
+
+    def reset_calls(self) -> None:
+        """Start counting calls per module (:attr:`calls`) from 0."""
+        self.calls = dict.fromkeys(self.modules, 0)
+
+    def attach(self) -> AttentionCapture:
+        """Register the hooks, switch the fast path off and have compiled code run eagerly (``torch.compiler``'s
+        ``force_eager`` stance, so that its modules call the hooks and SDPA is called where the watch sees it).
+        Attaching twice is a no-op."""
+        if self.attached:
+            return self
+        try:
+            for setting in ([FastpathOff] if self.disable_fastpath else []) + [EagerCompile]:
+                setting.hold()
+                self._held.append(setting)
+            for name, module in self.modules.items():
+                if isinstance(module, nn.MultiheadAttention):
+                    pre_hook = _never_traced(self._pre_hook(name))
+                    self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                    # Prepended: forward hooks then run in the reverse order of their pre-hooks, so with two captures
+                    # attached (two monitors on one Trainer) the later one reads the weights before the earlier one,
+                    # which saw the caller's own request, hands back what the caller asked for; and hooks the user
+                    # registered before see the output they would see without us.
+                    hook = _never_traced(self._hook(name, module))
+                    self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
+                elif name not in self.watched:
+                    self._handles.append(module.register_forward_hook(_never_traced(self._read_hook(name))))
+        except BaseException:
+            self.detach()
+            raise
+        return self
+
+    def detach(self) -> None:
+        """Stop watching, remove every hook and restore the fast-path flag. Safe to call any number of times."""
+        self.stop_watching()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._requested.clear()
+        while self._held:
+            self._held.pop().release()
+
+    def __enter__(self) -> AttentionCapture:
+        return self.attach()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.detach()
+
+    def start_watching(self) -> None:
+        """See the SDPA calls of the watched modules from now on (a ``TorchFunctionMode`` entered on this thread), the
+        calls of each numbered from 0 again; a no-op without watched modules or when already watching."""
+        if self.watched and self._watch is None:
+            watch = SdpaWatch(self.watched, self._watched_call)
+            watch.__enter__()
+            self._watch = watch
+
+    def stop_watching(self) -> None:
+        """Leave the watch entered by :meth:`start_watching`, if any."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.leave()
+
+    @contextmanager
+    def watching(self) -> Iterator[AttentionCapture]:
+        """:meth:`start_watching` for the duration of a ``with`` block."""
+        self.start_watching()
+        try:
+            yield self
+        finally:
+            self.stop_watching()
+
+    def _watched_call(self, name: str, index: int, module: nn.Module, weights: Tensor, rows: slice) -> None:
+        if rows.start == 0:
+            self.calls[name] += 1
+        self.consumer(name if index == 0 else f"{name}.call{index}", module, weights, rows)
+
+    def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            # Bind so that a positional need_weights (mha(q, k, v, None, False)) is seen and replaced too.
+            bound = _MHA_SIGNATURE.bind(module, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+            self._requested[name].append((bool(arguments["need_weights"]), bool(arguments["average_attn_weights"])))
+            arguments["need_weights"] = True
+            arguments["average_attn_weights"] = False
+            del arguments["self"]
+            return (), dict(arguments)
+
+        return pre_hook
+
+    def _hook(self, name: str, module: nn.MultiheadAttention) -> Callable[..., Any]:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, output: tuple[Tensor, Tensor | None]) -> Any:
+            need_weights, average = self._requested[name].pop()
+            out, weights = output
+            if weights is None:  # cannot happen with need_weights=True, but never hand None on
+                return (out, None) if not need_weights else output
+            self.calls[name] += 1
+            self.consumer(name, module, weights, slice(0, weights.size(0) if weights.dim() == 4 else 1))
+            if not need_weights:
+                return out, None
+            return (out, weights.mean(dim=-3)) if average else output
+
+        return hook
+
+    def _read_hook(self, name: str) -> Callable[..., None]:
+        index = self.output_index.get(name, 1)
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            weights = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
+            if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
+                raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
+            self.calls[name] += 1
+            self.consumer(name, module, weights, slice(0, weights.size(0)))
+
+        return hook
+
+
+def _never_traced(hook: Callable) -> Callable:
+    """A hook dynamo calls but never traces: where a compiled graph runs the hooks after all (compiled while they
+    were attached), the monitor's code is a graph break at the hook, not graphs of its own."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
+@contextmanager
+def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) -> Iterator[dict[str, list[Tensor]]]:
+    """Collect the per-head attention weights of every forward call, for use outside Lightning.
+
+    Args:
+        model: any ``nn.Module`` containing ``nn.MultiheadAttention`` modules (stock transformer layers included),
+            Hugging Face attention modules (eager or sdpa attention) or modules calling
+            ``scaled_dot_product_attention``.
+        modules: optional fnmatch patterns over module names, as in :func:`find_attention_modules`.
+
+    Yields:
+        A dict: module name -> list of weight tensors ``(B, H, Lq, Lk)``, one per call, detached (SDPA calls: the
+        weights recomputed, and a module's k-th call of the block under ``f"{name}.call{k}"``).
+
+    Example:
+        >>> layer = nn.TransformerEncoderLayer(8, 2, batch_first=True)
+        >>> model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+        >>> with torch.no_grad(), capture_attention(model) as weights:
+        ...     _ = model(torch.randn(3, 5, 8))
+        >>> weights["layers.0.self_attn"][0].shape
+        torch.Size([3, 2, 5, 5])
+    """
+    collected: dict[str, list[Tensor]] = defaultdict(list)
+
+    def keep(name: str, module: nn.Module, weights: Tensor, rows: slice) -> None:
+        if rows.start == 0:
+            collected[name].append(weights.detach())
+        else:  # the next samples of the same SDPA call
+            collected[name][-1] = torch.cat([collected[name][-1], weights.detach()])
+
+    capture = AttentionCapture(find_attention_modules(model, modules), keep, output_index=output_indices(model))
+    with capture, capture.watching():
+        yield collected

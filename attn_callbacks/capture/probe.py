@@ -1,0 +1,93 @@
+"""The probe: a few fixed validation samples whose position × position attention is drawn every epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from attn_callbacks.capture.streams import Streams
+
+__all__ = ["Probe"]
+
+
+class Probe:
+    """The probe samples' ids (frozen at first sight, checkpointed) and this epoch's weights per module.
+
+    Args:
+        batch: ``"first"`` (the first samples of validation batch 0), a batch of your own, or None for no probe.
+        forward: ``fn(pl_module, batch)`` running the model on a batch of your own.
+        samples: how many samples to keep.
+    """
+
+    def __init__(self, batch: Any = None, forward: Callable[[Any, Any], Any] | None = None, samples: int = 1) -> None:
+        if isinstance(batch, str) and batch != "first":
+            raise ValueError(f"Expected argument `probe` to be 'first', a batch or None, but got {batch!r}")
+        if batch == "first" and forward is not None:
+            raise ValueError(
+                "Argument `probe_forward` runs a probe batch you give in `probe`; with probe='first' the probe is read "
+                "from the normal validation pass, so leave `probe_forward` as None"
+            )
+        if batch is not None and batch != "first" and not callable(forward):
+            raise ValueError(
+                "A probe batch given in argument `probe` needs argument `probe_forward`, a callable "
+                f"(pl_module, batch) that runs the model on it; got probe_forward={forward!r}"
+            )
+        self.batch = batch
+        self.forward = forward
+        self.samples = samples
+        self.ids: dict[str, Tensor] | None = None  # frozen ids per stream, (samples, L) on CPU
+        self.weights: dict[str, Tensor] = {}  # this epoch's weights per module, (n, H, Lq, Lk) on CPU
+        self.capturing = False  # the current batch is the probe: keep its weights
+        self.only = False  # running the user's probe batch: keep its weights, accumulate nothing
+        self._warned = False
+
+    @property
+    def own_batch(self) -> bool:
+        """Whether the probe is a batch of the user's, run by :attr:`forward` at the epoch end."""
+        return self.batch is not None and not isinstance(self.batch, str)
+
+    def keep(self, name: str, weights: Tensor, rows: slice | None = None) -> None:
+        """Keep the probe samples of a module's weights ``(b, H, Lq, Lk)``, the samples ``rows`` of the batch (all when
+        None: SDPA calls come a few samples at a time)."""
+        if not (self.capturing or self.only):
+            return
+        start = 0 if rows is None else rows.start
+        if start >= self.samples:
+            return
+        part = weights[: self.samples - start].detach().float().cpu()
+        self.weights[name] = part if start == 0 else torch.cat([self.weights[name], part])
+
+    def match(self, ids: Mapping[str, Tensor]) -> bool:
+        """Freeze the probe at its first sight; afterwards, whether batch 0 still starts with the same samples."""
+        head = {stream: t[: self.samples].detach().cpu() for stream, t in ids.items()}
+        if self.ids is None:
+            self.ids = {stream: t.clone() for stream, t in head.items()}
+            return True
+        same = head.keys() == self.ids.keys() and all(torch.equal(head[s], self.ids[s]) for s in head)
+        if not same and not self._warned:
+            self._warned = True
+            rank_zero_warn(
+                "AttentionMonitor: validation batch 0 no longer starts with the frozen probe samples (a shuffled "
+                "validation loader?), so probe maps are skipped for such epochs; give a batch in `probe` with "
+                "`probe_forward` instead."
+            )
+        return same
+
+    def run(self, pl_module: Any, streams: Streams) -> None:
+        """Run :attr:`forward` on the user's probe batch with the hooks attached, keeping only the probe weights
+        (and the ids of the streams the modules read)."""
+        streams.start_batch(move_data_to_device(self.batch, pl_module.device))
+        try:
+            ids = {stream: streams.read(stream, pl_module.device)[2] for stream in streams.used()}
+            self.ids = {stream: t[: self.samples].detach().cpu().clone() for stream, t in ids.items()}  # not a view
+            self.only = True
+            with torch.no_grad():
+                self.forward(pl_module, streams.batch)
+        finally:
+            self.only = False
+            streams.end_batch()

@@ -1,0 +1,265 @@
+"""Attention computed by ``torch.nn.functional.scaled_dot_product_attention``, which never returns its weights.
+
+While a monitored batch runs, a ``TorchFunctionMode`` sees every call of the function (however it was imported),
+passes it through untouched, and recomputes the weights from the call's own arguments exactly as PyTorch defines
+them::
+
+    w = softmax(q @ k.transpose(-2, -1) * scale + bias)      # (..., Hq, Lq, Lk)
+
+with ``scale = 1 / sqrt(E)`` unless given, ``bias`` 0 where a boolean ``attn_mask`` is True and ``-inf`` where it is
+False, the float ``attn_mask`` itself otherwise, ``-inf`` above the diagonal of ``tril(ones(Lq, Lk))`` (top-left
+aligned) for ``is_causal=True``, and key heads repeated ``Hq / Hk`` times for ``enable_gqa=True``. Dropout is ignored.
+``attn_mask`` may also be one of PyTorch's ``CausalBias`` masks (``causal_upper_left`` / ``causal_lower_right``).
+The weights are computed in float32 (float64 for float64 inputs), a few samples at a time so memory stays bounded.
+
+A call belongs to the innermost watched module whose method made it (the frames of the call are walked up to it):
+modules whose code calls the function (:func:`calls_sdpa`), and Hugging Face attention modules run with
+``attn_implementation="sdpa"``, whose calls go through ``transformers``' own helpers. Calls are numbered per module
+from the watch's entry on (one watch per batch), so that a module calling it several times per batch can name them
+apart.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import sys
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.attention.bias import CausalBias
+from torch.overrides import TorchFunctionMode
+
+from attn_callbacks.base.private_api import remove_function_mode
+
+__all__ = ["CHUNK_BYTES", "SdpaWatch", "calls_sdpa", "sdpa_weights", "unreadable_attention"]
+
+#: The function's name in code, as static detection looks for it.
+SDPA_NAME = "scaled_dot_product_attention"
+
+#: Names of attention functions that return no weights and that the watch cannot recompute.
+_UNREADABLE = ("flex_attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func")
+
+#: At most this many bytes of float32 weights (and their temporaries) per chunk of samples: one sample at least.
+CHUNK_BYTES = 64 * 2**20
+
+_SIGNATURE = inspect.signature(
+    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: None
+)
+
+
+def sdpa_weights(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The attention weights ``scaled_dot_product_attention(query, key, value, ...)`` applies to ``value``.
+
+    ``softmax(q kᵀ · scale + bias)`` over the keys, with the bias of the mask (boolean: True may attend; float: added)
+    and of ``is_causal`` (top-left aligned ``tril(ones(Lq, Lk))``); ``enable_gqa`` repeats each key head
+    ``Hq / Hk`` times. A row with no key it may attend to is NaN (SDPA's math kernel outputs zeros there): the
+    accumulator leaves such rows out and counts them as skipped.
+
+    Args:
+        query: ``(..., Hq, Lq, E)``.
+        key: ``(..., Hk, Lk, E)``.
+        attn_mask: broadcastable to ``(..., Hq, Lq, Lk)``, or None.
+        is_causal: mask out keys after the query's position, counted from the top-left corner.
+        scale: the factor of the dot products; ``1 / sqrt(E)`` when None.
+        enable_gqa: grouped-query attention: ``Hk`` divides ``Hq``.
+
+    Returns:
+        ``(..., Hq, Lq, Lk)`` float32, or float64 for float64 inputs.
+
+    Example:
+        >>> q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # (H=1, L=2, E=2)
+        >>> sdpa_weights(q, q, is_causal=True, scale=1.0).tolist()
+        [[[1.0, 0.0], [0.2689414322376251, 0.7310585975646973]]]
+    """
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    query, key = query.to(dtype), key.to(dtype)
+    if enable_gqa and key.size(-3) != query.size(-3):
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)  # (..., Hq, Lk, E)
+    factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-2, -1)).mul_(factor)  # (..., Hq, Lq, Lk)
+    len_q, len_k = scores.shape[-2:]
+    if is_causal:
+        allowed = torch.ones(len_q, len_k, dtype=torch.bool, device=scores.device).tril_()
+        scores = scores.masked_fill_(~allowed, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill_(~attn_mask, -math.inf)
+        else:
+            scores = scores.add_(attn_mask.to(dtype))
+    return torch.softmax(scores, dim=-1)
+
+
+def calls_sdpa(module: nn.Module) -> bool:
+    """Whether the code of ``module``'s class (its methods and its bases' below ``nn.Module``) or a function stored on
+    the module names ``scaled_dot_product_attention``: static detection, read from the code, no call made."""
+    return _names_in(module, SDPA_NAME)
+
+
+def unreadable_attention(module: nn.Module) -> str | None:
+    """The attention function returning no weights (flex attention, the ``flash_attn`` package) that ``module``'s code
+    names while it never names ``scaled_dot_product_attention``, or None."""
+    if calls_sdpa(module):
+        return None
+    return next((name for name in _UNREADABLE if _names_in(module, name)), None)
+
+
+def _names_in(module: nn.Module, name: str) -> bool:
+    if name in _class_names(type(module)):
+        return True
+    # a function kept on the instance (torchtune's attention call)
+    return any(name in _code_names(value) for value in vars(module).values())
+
+
+@functools.cache
+def _class_names(cls: type) -> frozenset[str]:
+    """The names the code of a module class and its bases below ``nn.Module`` refers to (once per class)."""
+    return frozenset().union(
+        *(
+            _code_names(value)
+            for base in cls.__mro__
+            if base not in (nn.Module, object) and issubclass(base, nn.Module)
+            for value in vars(base).values()
+        )
+    )
+
+
+def _code_names(function: Any) -> frozenset[str]:
+    """Every global, attribute and enclosing-scope name the code of a function (nested functions included) refers to."""
+    function = getattr(function, "__func__", function)  # classmethod / staticmethod / bound method
+    function = getattr(function, "func", function)  # functools.partial
+    code = getattr(function, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return frozenset()
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names + code.co_freevars)
+        stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    return frozenset(names)
+
+
+# Consumer of weights: (module name, call index in the batch, module, weights (b, H, Lq, Lk), rows of the batch).
+ChunkConsumer = Callable[[str, int, nn.Module, Tensor, slice], None]
+
+
+class SdpaWatch(TorchFunctionMode):
+    """Sees ``scaled_dot_product_attention`` calls made inside watched modules while entered, and hands their
+    recomputed weights on, a chunk of samples at a time. Outputs are the function's own, untouched.
+
+    Args:
+        modules: name -> module whose calls are watched; a call belongs to the innermost one whose method made it.
+        consumer: called as ``consumer(name, index, module, weights, rows)`` with ``weights`` ``(b, Hq, Lq, Lk)`` for
+            the samples ``rows`` of the call's batch (a 3-D call ``(B, L, E)`` counts as one head); ``index`` counts the
+            module's calls since this watch was made, from 0.
+        chunk_bytes: the most bytes of weights per consumer call (at least one sample).
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], consumer: ChunkConsumer, chunk_bytes: int = CHUNK_BYTES):
+        super().__init__()
+        self.modules = {id(module): (name, module) for name, module in modules.items()}
+        self.consumer = consumer
+        self.chunk_bytes = chunk_bytes
+        self.calls: dict[str, int] = {}  # calls per watched module since this watch was made
+
+    def leave(self) -> None:
+        """Take this mode off the function-mode stack, wherever it is: a mode entered after it and still on the stack
+        (by a hook of the user's running between ours) stays there, in its place."""
+        remove_function_mode(self)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        if compiling():  # dynamo traces this mode: frames are not there to walk, and nothing is read while tracing
+            return output
+        if func is F.scaled_dot_product_attention:
+            found = self._owner(sys._getframe(1))
+            if found is not None:
+                self._hand_on(*found, args, kwargs)
+        elif getattr(func, "__name__", None) == "flex_attention":
+            found = self._owner(sys._getframe(1))
+            if found is not None:
+                raise RuntimeError(f"AttentionMonitor: {unreadable_message(found[0], found[1], 'flex_attention')}")
+        return output
+
+    def _owner(self, frame: types.FrameType | None) -> tuple[str, nn.Module] | None:
+        """The innermost watched module with a method on the call's stack."""
+        while frame is not None:
+            code = frame.f_code
+            if code.co_argcount and code.co_varnames[0] == "self":
+                found = self.modules.get(id(frame.f_locals.get("self")))
+                if found is not None:
+                    return found
+            frame = frame.f_back
+        return None
+
+    def _hand_on(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = _SIGNATURE.bind(*args, **kwargs).arguments
+        index = self.calls.get(name, 0)
+        self.calls[name] = index + 1
+        query, key, mask = call["query"], call["key"], call.get("attn_mask")
+        if isinstance(mask, CausalBias):  # PyTorch's causal_upper_left / causal_lower_right: (Lq, Lk) booleans
+            mask = mask._materialize(query.device)
+        if query.dim() == 3:  # (B, L, E): one head
+            query, key = query.unsqueeze(1), key.unsqueeze(1)
+            mask = mask.unsqueeze(-3) if mask is not None and mask.dim() == 3 else mask
+        if query.dim() != 4:
+            raise ValueError(
+                f"AttentionMonitor: module {name!r} called scaled_dot_product_attention with a query of shape "
+                f"{tuple(query.shape)}; only (B, H, L, E) and (B, L, E) are read. Leave it out with `modules`"
+            )
+        if query.size(0) != key.size(0):  # one side broadcast over the batch (learned queries, say)
+            batch = max(query.size(0), key.size(0))
+            query, key = query.expand(batch, *query.shape[1:]), key.expand(batch, *key.shape[1:])
+        batch, heads, len_q = query.shape[:3]
+        itemsize = 8 if query.dtype == torch.float64 else 4
+        per_sample = 3 * heads * len_q * key.size(-2) * itemsize  # weights and two temporaries
+        step = max(1, self.chunk_bytes // max(per_sample, 1))
+        with torch.no_grad():
+            for start in range(0, batch, step):
+                rows = slice(start, min(start + step, batch))
+                weights = sdpa_weights(
+                    query[rows],
+                    key[rows],
+                    _rows_of(mask, rows, batch),
+                    bool(call.get("is_causal", False)),
+                    call.get("scale"),
+                    bool(call.get("enable_gqa", False)),
+                )
+                self.consumer(name, index, module, weights, rows)
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the code that calls this (False where torch cannot tell)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
+def _rows_of(mask: Tensor | None, rows: slice, batch: int) -> Tensor | None:
+    """The part of a broadcastable ``(B, H, Lq, Lk)`` mask that applies to samples ``rows``."""
+    if mask is None or mask.dim() < 4 or mask.size(0) != batch or batch == 1:
+        return mask
+    return mask[rows]
+
+
+def unreadable_message(name: str, module: nn.Module, function: str) -> str:
+    """Why a module's attention cannot be read, and what to use instead."""
+    return (
+        f"Attention module {name!r} ({type(module).__name__}) calls {function}, which returns no "
+        "attention weights and cannot be recomputed from its call. While monitored, run attention through "
+        "torch.nn.functional.scaled_dot_product_attention or nn.MultiheadAttention (Hugging Face: "
+        'attn_implementation="sdpa" or "eager"), or leave the module out with `modules`'
+    )

@@ -1,0 +1,391 @@
+"""Token streams: reading each batch's token ids, the ids tracked exactly, and the labels shown for them.
+
+A *stream* is one sequence of token ids per sample: ``"src"`` and ``"tgt"`` for a translation model, or a single
+stream for an encoder-only model. Self-attention reads one stream for queries and keys; cross-attention reads a query
+stream and a key stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+
+from attn_callbacks.base.config import (
+    TokenSource,
+    int_list,
+    labels_per_stream,
+    per_stream,
+    positive_int,
+    resolve_vocab_sizes,
+    stream_getters,
+)
+from attn_callbacks.base.labels import MAX_LABEL, OTHER_LABEL, label_tokens
+from attn_callbacks.base.private_api import fresh_iterator
+from attn_callbacks.capture import hf
+from attn_callbacks.capture.wiring import first_rule, resolve_streams
+
+__all__ = [
+    "Streams",
+    "check_ids_in_range",
+    "compact_index",
+    "most_frequent_ids",
+    "read_stream",
+]
+
+
+class Streams:
+    """Every stream's configuration and the current batch's ids, read once per batch and stream.
+
+    Args are :class:`~attn_callbacks.AttentionMonitor`'s of the same names, validated here.
+    """
+
+    def __init__(
+        self,
+        token_ids: Any,
+        vocab_size: Any,
+        id_to_token: Any = None,
+        ignore_ids: Sequence[int] = (),
+        batch_first: bool = True,
+        validate_args: bool = True,
+        sink_ids: Any = (),
+        max_tracked_tokens: Any = None,
+        tracked_ids: Any = None,
+    ) -> None:
+        self.getters: dict[str, TokenSource] = stream_getters(token_ids)
+        self.names = list(self.getters)
+        self.vocab = resolve_vocab_sizes(vocab_size, self.names)
+        self.labels = labels_per_stream(id_to_token, self.names)
+        self.ignore_ids = int_list("ignore_ids", ignore_ids)
+        self.batch_first = batch_first
+        self.validate_args = validate_args
+        self.sinks: dict[str, list[int]] = per_stream("sink_ids", sink_ids, self.names, int_list, default=())
+        self.track_limit: dict[str, int] = (
+            {}
+            if max_tracked_tokens is None
+            else per_stream("max_tracked_tokens", max_tracked_tokens, self.names, positive_int)
+        )
+        # stream -> the tracked ids, compact index c holding id tracked[c] (CPU int64); frozen once set.
+        self.tracked: dict[str, Tensor] = {}
+        if tracked_ids is not None:
+            for stream, ids in per_stream("tracked_ids", tracked_ids, self.names, int_list).items():
+                self.tracked[stream] = self._tracked_tensor(stream, ids)
+        for stream, limit in self.track_limit.items():
+            if len(self.sinks[stream]) > limit:
+                raise ValueError(
+                    f"Argument `max_tracked_tokens`={limit} for stream {stream!r} is smaller than its "
+                    f"{len(self.sinks[stream])} `sink_ids`, which are always tracked"
+                )
+        self.of: dict[str, tuple[str, str]] = {}  # attention module -> (query stream, key stream)
+        self.batch: Any = None  # the batch being read, while one runs
+        self._ids: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # this batch's ids per stream
+        self._tables: dict[str, Tensor] = {}  # stream -> id -> compact index, on the device
+        self._ignored: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # ignore_ids on a device
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "batch": None, "_ids": {}, "_tables": {}, "_ignored": {}}  # per-batch, device caches
+
+    def _tracked_tensor(self, stream: str, ids: list[int]) -> Tensor:
+        bad = [i for i in ids if not 0 <= i < self.vocab[stream]]
+        if bad or not ids:
+            raise ValueError(
+                f"Expected argument `tracked_ids` to hold ids in [0, {self.vocab[stream]}) for stream {stream!r}, "
+                f"but got {bad or ids}"
+            )
+        always = [i for i in self.sinks[stream] if i not in ids]
+        return torch.tensor(always + ids, dtype=torch.long)
+
+    def check_sinks(self) -> None:
+        """Raise ``ValueError`` for a sink id outside its stream's vocabulary."""
+        for stream, ids in self.sinks.items():
+            bad = [i for i in ids if not 0 <= i < self.vocab[stream]]
+            if bad:
+                raise ValueError(
+                    f"argument `sink_ids` has id(s) {bad} outside the vocabulary [0, {self.vocab[stream]}) of stream "
+                    f"{stream!r}"
+                )
+
+    def wire(self, modules: Sequence[str], model: nn.Module, attention_streams: Mapping[str, Any] | None) -> None:
+        """Decide the (query stream, key stream) of every attention module (see :func:`resolve_streams`)."""
+        self.of = resolve_streams(modules, model, self.names, attention_streams)
+
+    def wire_call(self, name: str, base: str, attention_streams: Mapping[str, Any] | None) -> None:
+        """The streams of an SDPA call named apart from its module ``base`` (``base.call1``...): the first pattern of
+        ``attention_streams`` matching the call's name, else the module's own. A site already wired keeps its own."""
+        if name not in self.of:
+            self.of[name] = first_rule(name, attention_streams or {}) or self.of[base]
+
+    def check_call(self, name: str) -> None:
+        """Refuse an SDPA call first seen mid-epoch that reads a stream whose tracked ids are not chosen yet."""
+        pending = [stream for stream in self.of[name] if self.pending(stream)]
+        if pending:
+            raise RuntimeError(
+                f"AttentionMonitor: SDPA call {name!r} reads stream(s) {pending}, whose tracked ids are chosen "
+                "when the first monitored epoch starts, from the streams of the modules found in setup; map the call "
+                "to those streams in `attention_streams`, or give `tracked_ids` for these streams"
+            )
+
+    def other_cell(self, streams: tuple[str, str]) -> tuple[int, int] | None:
+        """The accumulated ``(query, key)`` index of ``(<other>, <other>)`` where both streams are tracked (it comes
+        right after a tracked stream's tokens), else None."""
+        query_other, key_other = (self.tokens(stream).stop for stream in streams)
+        return None if query_other is None or key_other is None else (query_other, key_other)
+
+    def used(self) -> list[str]:
+        """The streams some module reads, in order."""
+        return list(dict.fromkeys(s for pair in self.of.values() for s in pair))
+
+    # ------------------------------------------------------------------------------------------------ vocabulary
+    def size(self, stream: str) -> int:
+        """Vocabulary size of a stream as accumulated: tracked ids + ``<other>``, or the whole vocabulary."""
+        tracked = self.tracked.get(stream)
+        return self.vocab[stream] if tracked is None else len(tracked) + 1
+
+    def planned_size(self, stream: str) -> int:
+        """:meth:`size`, counting a stream whose tracked ids are not chosen yet with its limit."""
+        return self.track_limit[stream] + 1 if self.pending(stream) else self.size(stream)
+
+    def pending(self, stream: str) -> bool:
+        """Whether the stream will be tracked but its ids are not chosen yet."""
+        limit = self.track_limit.get(stream)
+        return stream not in self.tracked and limit is not None and self.vocab[stream] > limit
+
+    def tokens(self, stream: str) -> slice:
+        """The accumulated indices that are tokens: all but the last, ``<other>``, of a tracked stream (slicing it off
+        the end keeps every index as it is). The bucket counts in every scalar, but it is no token to show in a
+        heatmap or a table (it would lead them all)."""
+        return slice(0, len(self.tracked[stream])) if stream in self.tracked else slice(None)
+
+    def sink_indices(self, stream: str) -> list[int]:
+        """The accumulated indices of a key stream's ``sink_ids`` (compact indices when tracked: sinks always are)."""
+        sinks = self.sinks.get(stream, [])
+        if stream in self.tracked:
+            tracked = self.tracked[stream].tolist()
+            return [tracked.index(i) for i in sinks]
+        return sinks
+
+    # ------------------------------------------------------------------------------------------------- batches
+    def valid(self, ids: Tensor) -> Tensor:
+        """Positions whose id is not in ``ignore_ids``."""
+        if not self.ignore_ids:
+            return torch.ones_like(ids, dtype=torch.bool)
+        ignored = self._ignored.get((ids.device, ids.dtype))
+        if ignored is None:  # made once: a copy from a Python list to a GPU waits for the device to finish its work
+            with torch.inference_mode(False):  # usable in and out of inference mode
+                ignored = torch.tensor(self.ignore_ids, device=ids.device, dtype=ids.dtype)
+            self._ignored[(ids.device, ids.dtype)] = ignored
+        return ~torch.isin(ids, ignored)
+
+    def start_batch(self, batch: Any) -> None:
+        self.batch = batch
+        self._ids.clear()
+
+    def end_batch(self) -> None:
+        self.batch = None
+        self._ids.clear()
+
+    def read(self, stream: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """(ids as accumulated, valid, ids as in the batch) of one stream of the current batch, read once per batch.
+        Accumulated ids are compact indices (``<other>`` last) for a tracked stream, the batch's ids otherwise."""
+        if stream not in self._ids:
+            ids = read_stream(self.batch, stream, self.getters[stream], self.batch_first).to(device)
+            valid = self.valid(ids)
+            if self.validate_args:
+                check_ids_in_range(ids, valid, self.vocab[stream], stream)
+            compact = ids
+            if stream in self.tracked:
+                table = self._tables.get(stream)
+                if table is None or table.device != ids.device:
+                    table = compact_index(self.tracked[stream], self.vocab[stream]).to(ids.device)
+                    self._tables[stream] = table
+                # Ignored positions may hold anything (pad = -100): clamp so the lookup stays in range.
+                compact = table[ids.long().clamp(0, self.vocab[stream] - 1)]
+            self._ids[stream] = (compact, valid, ids)
+        return self._ids[stream]
+
+    def read_pair(
+        self, name: str, streams: tuple[str, str], weights: Tensor, rows: slice | None = None
+    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """``(ids, valid)`` of the query and the key stream of module ``name``'s weights ``(b, H, Lq, Lk)`` for the
+        samples ``rows`` of the batch (all when None), on the weights' device, checked against their shape."""
+        query_stream, key_stream = streams
+        # .to() is a no-op unless the module lives on another device than the LightningModule's (model parallel).
+        query_ids, query_valid, _ = (t.to(weights.device) for t in self.read(query_stream, weights.device))
+        key_ids, key_valid, _ = (t.to(weights.device) for t in self.read(key_stream, weights.device))
+        if rows is not None and rows != slice(0, query_ids.size(0)):
+            query_ids, query_valid, key_ids, key_valid = (t[rows] for t in (query_ids, query_valid, key_ids, key_valid))
+        batch, _, len_q, len_k = weights.shape
+        if query_ids.shape != (batch, len_q) or key_ids.shape != (batch, len_k):
+            raise ValueError(
+                f"AttentionMonitor: attention module {name!r} returned weights of shape (B, H, Lq, Lk) = "
+                f"{tuple(weights.shape)}, which does not match the token ids of its query stream {query_stream!r} "
+                f"{tuple(query_ids.shape)} and key stream {key_stream!r} {tuple(key_ids.shape)} (expected (B, Lq) and "
+                "(B, Lk); see arguments `attention_streams` and `batch_first`)"
+            )
+        return (query_ids, query_valid), (key_ids, key_valid)
+
+    def choose_tracked(self, loaders: Any, limits: Sequence[int | float], strategy: Any) -> None:
+        """Count the ids of every pending stream some module reads over the evaluation ``loaders`` (ids only, no
+        forward; at most ``limits`` batches each; summed over processes by ``strategy``) and freeze the most frequent
+        ones."""
+        pending = [stream for stream in self.used() if self.pending(stream)]
+        if not pending:
+            return
+        device = strategy.root_device
+        counts = {s: torch.zeros(self.vocab[s] + 1, dtype=torch.long, device=device) for s in pending}
+        for loader, limit in zip(_as_list(loaders), limits, strict=False):
+            for index, batch in enumerate(fresh_iterator(loader)):
+                if index >= limit:
+                    break
+                for stream in pending:
+                    ids = read_stream(batch, stream, self.getters[stream], self.batch_first).to(device)
+                    valid = self.valid(ids)
+                    if self.validate_args:
+                        check_ids_in_range(ids, valid, self.vocab[stream], stream)
+                    where = torch.where(valid, ids.long(), self.vocab[stream]).reshape(-1)  # ignored -> last cell
+                    counts[stream].index_add_(0, where, valid.reshape(-1).long())
+        for stream in pending:
+            total = strategy.reduce(counts[stream], reduce_op="sum")[:-1]  # same counts on every rank
+            self.tracked[stream] = most_frequent_ids(total, self.track_limit[stream], self.sinks[stream])
+            rank_zero_info(
+                f"AttentionMonitor: tracking {len(self.tracked[stream])} of {self.vocab[stream]} ids of stream "
+                f"{stream!r} ({float(total[self.tracked[stream]].sum()) / max(float(total.sum()), 1):.1%} of its "
+                "validation tokens); the rest fold into <other>"
+            )
+
+    def load_tracked(self, tracked: Mapping[str, Tensor]) -> None:
+        """Tracked ids from a checkpoint: frozen when the checkpointed run chose them, so epochs stay comparable."""
+        self.tracked.update(tracked)
+        self._tables.clear()
+
+    # -------------------------------------------------------------------------------------------------- labels
+    def label(self, ids: Sequence[int], stream: str, max_length: int | None = MAX_LABEL) -> list[str]:
+        """Labels of accumulated ids (compact indices of a tracked stream: ``<other>`` for the bucket)."""
+        tracked = self.tracked.get(stream)
+        if tracked is None:
+            return label_tokens(list(ids), self.labels[stream], max_length=max_length)
+        ids, originals = list(ids), tracked.tolist()
+        known = [originals[c] for c in ids if c < len(originals)]  # one lookup for all (a tokenizer call, say)
+        labels = iter(label_tokens(known, self.labels[stream], max_length=max_length))
+        return [next(labels) if c < len(originals) else OTHER_LABEL for c in ids]
+
+    def batch_label(self, ids: Sequence[int], stream: str) -> list[str]:
+        """Labels of ids as they are in the batch."""
+        return label_tokens(list(ids), self.labels[stream])
+
+    def full_labels(self, stream: str) -> list[str] | None:
+        """Whole labels of every accumulated id, as an export stores them; None for a stream without labels or
+        tracking (ids are their own labels)."""
+        if self.labels[stream] is None and stream not in self.tracked:
+            return None
+        return self.label(range(self.size(stream)), stream, max_length=None)
+
+
+def read_stream(batch: Any, stream: str, source: TokenSource, batch_first: bool = True) -> Tensor:
+    """The ``(B, L)`` integer token ids of one stream in ``batch``.
+
+    Args:
+        batch: what the dataloader yielded (a mapping, a sequence, or an object with attributes).
+        stream: the stream's name, for error messages.
+        source: a key (mapping key, sequence index or attribute name) or a callable ``batch -> Tensor``.
+        batch_first: the layout of the ids in the batch: ``(B, L)`` if True, ``(L, B)`` if False.
+
+    Raises:
+        KeyError: the key is not in the batch.
+        ValueError: the ids are not a 2-D integer tensor.
+    """
+    if callable(source):
+        try:
+            ids = source(batch)
+        except Exception as err:
+            raise RuntimeError(f"The `token_ids` callable for stream {stream!r} raised {err!r}") from err
+    elif isinstance(batch, Mapping):
+        if source not in batch:
+            raise KeyError(
+                f"Batch key {source!r} of argument `token_ids` (stream {stream!r}) is not in the batch; "
+                f"keys: {list(batch)}{hf.missing_key_hint(source, batch)}"
+            )
+        ids = batch[source]
+    elif isinstance(source, int) and isinstance(batch, Sequence):
+        if not -len(batch) <= source < len(batch):
+            raise KeyError(
+                f"Batch index {source} of argument `token_ids` (stream {stream!r}) is out of range for a "
+                f"batch of {len(batch)} items"
+            )
+        ids = batch[source]
+    elif isinstance(source, str) and hasattr(batch, source):
+        ids = getattr(batch, source)
+    else:
+        raise KeyError(
+            f"Cannot read batch key {source!r} of argument `token_ids` (stream {stream!r}) from a batch of type "
+            f"{type(batch).__name__}; pass a callable batch -> LongTensor instead"
+        )
+    if not isinstance(ids, Tensor):
+        raise ValueError(f"Expected the token ids of stream {stream!r} to be a Tensor, but got {type(ids).__name__}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"Expected integer token ids for stream {stream!r}, but got dtype {ids.dtype}")
+    if ids.dim() != 2:
+        layout = "(B, L)" if batch_first else "(L, B)"
+        raise ValueError(
+            f"Expected the token ids of stream {stream!r} to have shape {layout}, but got shape {tuple(ids.shape)}"
+        )
+    return ids if batch_first else ids.T
+
+
+def check_ids_in_range(ids: Tensor, valid: Tensor, vocab_size: int, stream: str) -> None:
+    """Raise if a valid (not ignored) id is negative or ``>= vocab_size``. One host sync; skip it for speed."""
+    bad = valid & ((ids < 0) | (ids >= vocab_size))
+    if bool(bad.any()):
+        value = int(ids[bad][0])
+        raise ValueError(
+            f"Token id {value} of stream {stream!r} is outside the vocabulary [0, {vocab_size}) given by "
+            "argument `vocab_size`; add padding ids to `ignore_ids` or raise `vocab_size`"
+        )
+
+
+def most_frequent_ids(counts: Tensor, k: int, always: Sequence[int] = ()) -> Tensor:
+    """The ids to track: ``always`` first (in the order given), then the most frequent other ids seen at least once,
+    up to ``k`` in all; ties go to the smaller id, so every process picks the same set from the same counts.
+
+    Args:
+        counts: ``(V,)`` occurrences of each id.
+        k: how many ids to track at most.
+        always: ids tracked whatever their count (special tokens whose sink mass is logged, say).
+
+    Returns:
+        1-D int64 tensor on the CPU: position ``c`` holds the id stored at compact index ``c``.
+
+    Example:
+        >>> most_frequent_ids(torch.tensor([5, 0, 9, 5, 1]), 3, always=[4]).tolist()
+        [4, 2, 0]
+    """
+    counts = counts.detach().cpu().clone()
+    forced = list(dict.fromkeys(always))
+    counts[forced] = -1  # placed first anyway
+    order = torch.sort(counts, descending=True, stable=True).indices
+    frequent = order[counts[order] > 0][: max(k - len(forced), 0)]
+    return torch.cat([torch.tensor(forced, dtype=torch.long), frequent])
+
+
+def compact_index(tracked: Tensor, vocab_size: int) -> Tensor:
+    """Lookup table id -> compact index: tracked id ``tracked[c]`` -> ``c``, every other id -> ``len(tracked)``, the
+    "other" bucket.
+
+    Example:
+        >>> compact_index(torch.tensor([3, 0]), 5).tolist()
+        [1, 2, 2, 0, 2]
+    """
+    table = torch.full((vocab_size,), len(tracked), dtype=torch.long)
+    table[tracked] = torch.arange(len(tracked))
+    return table
+
+
+def _as_list(loaders: Any) -> list[Any]:
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]

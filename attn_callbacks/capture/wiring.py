@@ -1,0 +1,83 @@
+"""Wiring: which token streams feed the queries and the keys of each attention module."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from attn_callbacks.capture import hf
+from attn_callbacks.capture.hooks import clean_name, named_modules
+
+__all__ = ["first_rule", "resolve_streams"]
+
+
+def _stock_role(name: str, named: Mapping[str, nn.Module]) -> tuple[str, str] | None:
+    """(query stream, key stream) for attention inside stock ``nn.Transformer*`` layers, named as ``forward``'s args."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = named.get(parent_name)
+    if isinstance(parent, nn.TransformerEncoderLayer) and attr == "self_attn":
+        return "src", "src"
+    if isinstance(parent, nn.TransformerDecoderLayer):
+        if attr == "self_attn":
+            return "tgt", "tgt"
+        if attr == "multihead_attn":
+            return "tgt", "src"
+    return None
+
+
+def resolve_streams(
+    modules: Sequence[str],
+    model: nn.Module,
+    streams: Sequence[str],
+    attention_streams: Mapping[str, tuple[str, str]] | None = None,
+) -> dict[str, tuple[str, str]]:
+    """Which (query stream, key stream) feeds each attention module.
+
+    Rules, in order: the first fnmatch pattern of ``attention_streams`` matching the module name; with a single
+    stream, that stream for queries and keys; with streams named ``src`` and ``tgt`` (as in ``nn.Transformer.forward``),
+    for stock ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` attention and the attention modules of
+    Hugging Face encoder-decoder models (T5, BART, Marian...): encoder self-attention src→src, decoder self-attention
+    tgt→tgt, decoder cross-attention tgt→src.
+
+    Raises:
+        ValueError: a module no rule covers, or a rule naming an unknown stream; the message names both.
+    """
+    rules = dict(attention_streams or {})
+    for pattern, pair in rules.items():
+        if not (isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2):
+            raise ValueError(
+                f"Expected argument `attention_streams` to map patterns to (query_stream, key_stream), but got "
+                f"{pair!r} for pattern {pattern!r}"
+            )
+        unknown = [s for s in pair if s not in streams]
+        if unknown:
+            raise ValueError(
+                f"Argument `attention_streams` maps pattern {pattern!r} to unknown stream(s) {unknown}; the streams "
+                f"of `token_ids` are {list(streams)}"
+            )
+    named = named_modules(model)  # clean names, as the modules are named
+    seq2seq = {clean_name(name): pair for name, pair in hf.seq2seq_streams(model).items()}
+    resolved: dict[str, tuple[str, str]] = {}
+    for name in modules:
+        pair = first_rule(name, rules)
+        if pair is None and len(streams) == 1:
+            pair = (streams[0], streams[0])
+        if pair is None:
+            pair = _stock_role(name, named) or seq2seq.get(name)
+            if pair is not None and not set(pair) <= set(streams):
+                pair = None
+        if pair is None:
+            raise ValueError(
+                f"No token stream for attention module {name!r}: add a pattern for it to argument "
+                f"`attention_streams` (pattern -> (query_stream, key_stream)); streams: {list(streams)}"
+            )
+        resolved[name] = pair  # type: ignore[assignment]
+    return resolved
+
+
+def first_rule(name: str, rules: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The ``(query_stream, key_stream)`` of the first ``attention_streams`` pattern matching a module name."""
+    return next((tuple(p) for pattern, p in rules.items() if fnmatch.fnmatchcase(name, pattern)), None)

@@ -1,0 +1,215 @@
+"""Where results go: the Trainer's loggers (layer scalars through ``LightningModule.log``, per-head scalars straight
+to the loggers) and TensorBoard images and text, encoded and written by a background thread."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.compat.proto.summary_pb2 import Summary
+from torch import Tensor
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import custom_scalars
+
+from attn_callbacks.base.numba_loader import uses_numba
+from attn_callbacks.base.private_api import epoch_end_step
+from attn_callbacks.base.tensor_ops import to_host_flat
+from attn_callbacks.capture.streams import Streams
+from attn_callbacks.output.export import save_epoch
+from attn_callbacks.sums.accumulator import AttentionStats
+
+__all__ = [
+    "BackgroundWriter",
+    "add_image",
+    "add_layout",
+    "export_epoch",
+    "log_heads",
+    "log_layer",
+    "png_bytes",
+    "tensorboard_writer",
+]
+
+# Images waiting for the writer thread, at most: drawing may outrun PNG encoding, and each is megabytes.
+MAX_PENDING = 4
+
+
+class BackgroundWriter:
+    """During an epoch end only: one worker thread that PNG-encodes and writes the images (and writes the texts, so
+    that one thread uses the writer) while the caller computes the next statistics and draws the next images.
+    Drawing stays with the caller: matplotlib holds the GIL, which would stall its many small tensor ops."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: list[Future] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_pool": None, "_jobs": []}  # the thread lives only during an epoch end
+
+    def image(self, writer: Any, tag: str, image: np.ndarray, step: int) -> None:
+        self.submit(lambda: add_image(writer, tag, image, step))
+
+    def text(self, writer: Any, tag: str, text: str, step: int) -> None:
+        self.submit(lambda: writer.add_text(tag, text, step))
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        """Run ``job`` on the worker thread, after those before it. At most ``MAX_PENDING`` jobs wait: pictures are
+        megabytes each, and drawing can outrun encoding."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attn_callbacks-images")
+        pending = [future for future in self._jobs if not future.done()]
+        if len(pending) >= MAX_PENDING:
+            wait(pending[: len(pending) - MAX_PENDING + 1])
+        self._jobs.append(self._pool.submit(job))
+
+    def finish(self, raise_errors: bool = True) -> None:
+        """Wait for every job of this epoch end and stop the worker; re-raise the first job's error. When
+        ``raise_errors`` is False (the epoch end already failed), or when the wait itself is interrupted (Ctrl+C),
+        jobs not yet started are dropped and their errors too; the worker is stopped either way."""
+        pool, jobs = self._pool, self._jobs
+        if pool is None:
+            return
+        try:
+            pool.shutdown(wait=True, cancel_futures=not raise_errors)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # waits for the job in progress only
+            raise
+        finally:
+            self._pool, self._jobs = None, []
+        if raise_errors:
+            for job in jobs:
+                job.result()
+
+
+def log_layer(pl_module: LightningModule, scalars: dict[str, Tensor]) -> None:
+    """Layer scalars through ``LightningModule.log`` (every logger, ``callback_metrics``), as CPU tensors: moved
+    from the device in one copy, where Lightning would otherwise keep a result per tag on the device, each updated by
+    its own small kernels and read back with its own synchronisation."""
+    if not scalars:
+        return
+    for tag, value in zip(scalars, to_host_flat(scalars.values(), torch.float32), strict=True):
+        # Already summed over ranks by compute(): sync_dist would only average equal numbers. Our own dataloader
+        # suffixes replace Lightning's, which would otherwise append one for the current dataloader.
+        pl_module.log(tag, value, on_step=False, on_epoch=True, sync_dist=False, add_dataloader_idx=False)
+
+
+def log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
+    """Per-head scalars (``heads``: ``(tag, suffix)`` -> ``(H,)`` values, logged as ``{tag}/head_{h}{suffix}``, the
+    tag from :func:`~attn_callbacks.output.dashboard.head_tag`)
+    straight to every logger of the Trainer in one call, from global rank 0, with ``epoch`` and at the step, as
+    Lightning logs the layer scalars that went through ``LightningModule.log`` in the same hook (a CSV gets one row of
+    them per epoch end).
+
+    ``LightningModule.log`` keeps a result object per tag and walks it on every call (about 1 ms each: a model of
+    12 layers × 12 heads has thousands of per-head scalars), and would also fill ``callback_metrics``,
+    ``logged_metrics`` and what ``trainer.validate`` returns and prints with them. Like Lightning's own epoch-end
+    logging, nothing is written during the sanity check.
+    """
+    if not heads or trainer.sanity_checking or not trainer.is_global_zero or not trainer.loggers:
+        return
+    step = epoch_end_step(trainer)  # where Lightning logs the layer scalars of this hook
+    values = iter(to_host_flat(heads.values(), torch.float64).tolist())
+    metrics: dict[str, float] = {
+        f"{tag}/head_{h}{suffix}": next(values) for (tag, suffix), v in heads.items() for h in range(v.numel())
+    }
+    metrics["epoch"] = trainer.current_epoch
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
+def tensorboard_writer(trainer: Trainer) -> Any:
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def add_image(writer: Any, tag: str, image: Any, step: int) -> None:
+    """``writer.add_image(tag, image[..., :3], step, dataformats="HWC")`` for an ``(H, W, 3)`` RGB or ``(H, W, 4)``
+    RGBA uint8 array (the alpha is dropped), without its float round trip and with faster PNG compression
+    (:func:`png_bytes`); the same event a reader sees."""
+    events = _event_file(writer)
+    if events is None:  # tensorboardX's, say (other protobuf classes), or a closed writer: its own add_image
+        writer.add_image(tag, image[..., :3], step, dataformats="HWC")
+        return
+    height, width = image.shape[:2]
+    picture = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png_bytes(image))
+    events.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
+
+
+def add_layout(writer: Any, layout: dict[str, dict[str, list]], step: int) -> None:
+    """Write TensorBoard's custom-scalars layout (``SummaryWriter.add_custom_scalars``'s format) at ``step``: the
+    plugin shows the last one a run wrote."""
+    events = _event_file(writer)
+    if events is None:  # tensorboardX's has its own
+        writer.add_custom_scalars(layout)
+        return
+    events.add_summary(custom_scalars(layout), step)
+
+
+def _event_file(writer: Any) -> Any:
+    """The open event file of a torch ``SummaryWriter`` (its public ``file_writer``), or None: another writer, or a
+    closed one."""
+    return writer.file_writer if isinstance(writer, SummaryWriter) else None
+
+
+def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:
+    """An ``(H, W, 3)`` uint8 RGB array (or ``(H, W, 4)`` RGBA, its alpha dropped) as RGB PNG bytes.
+
+    Every scanline uses the PNG "Up" filter (each byte minus the byte above it): a heatmap's cells repeat row after
+    row, so the filtered image is mostly zeros, and zlib level 1 then compresses it about as small as Pillow's
+    encoder (which tries every filter on every row, with no option to skip that) in about half its time. Any PNG
+    reader decodes it to the same pixels. Unlike Pillow, it takes 8-bit RGB(A) only: what the Agg canvas holds.
+    """
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] not in (3, 4) or 0 in image.shape:
+        raise ValueError(
+            "Expected argument `image` to be a non-empty (H, W, 3) or (H, W, 4) uint8 array, "
+            f"but got {image.dtype} {image.shape}"
+        )
+    height, width = image.shape[:2]
+    rows = np.empty((height, 1 + width * 3), dtype=np.uint8)  # one filter-type byte, then the filtered row
+    if uses_numba("cpu"):
+        from attn_callbacks.output.png_numba import up_filter
+
+        up_filter(image, rows)
+    else:
+        rgb = np.ascontiguousarray(image[..., :3]).reshape(height, width * 3)
+        rows[:, 0] = 2  # Up; the first row's "above" is zeros, so it is stored as is
+        rows[:1, 1:] = rgb[:1]
+        np.subtract(rgb[1:], rgb[:-1], out=rows[1:, 1:])  # modulo 256, as PNG filters are
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, adaptive filters, no interlace
+    return b"".join(
+        [
+            b"\x89PNG\r\n\x1a\n",
+            chunk(b"IHDR", header),
+            chunk(b"IDAT", zlib.compress(rows.data, compress_level)),
+            chunk(b"IEND", b""),
+        ]
+    )
+
+
+def export_epoch(
+    trainer: Trainer, merged: dict[str, AttentionStats], streams: Streams, export: str, export_dir: Any = None
+) -> None:
+    """Save the epoch's sums (:func:`~attn_callbacks.save_epoch`) as ``epoch={e:04d}-step={s}.{export}`` in
+    ``export_dir``, or ``{logger log_dir}/attention_epochs``; from global rank 0."""
+    # trainer.log_dir is a broadcast under DDP: every rank must ask, only rank 0 writes.
+    log_dir = None if export_dir else trainer.log_dir
+    if not trainer.is_global_zero:
+        return
+    directory = Path(export_dir) if export_dir else Path(log_dir or trainer.default_root_dir) / "attention_epochs"
+    epoch, step = trainer.current_epoch, trainer.global_step
+    path = directory / f"epoch={epoch:04d}-step={step}.{export}"
+    labels = {stream: streams.full_labels(stream) for stream in streams.names}
+    save_epoch(path, merged, streams=streams.of, labels=labels, epoch=epoch, global_step=step)

@@ -1,0 +1,292 @@
+import pytest
+import torch
+from torch import nn
+
+from attn_callbacks.capture.hooks import (
+    AttentionCapture,
+    capture_attention,
+    clean_name,
+    find_attention_modules,
+    module_device,
+)
+
+
+def encoder(batch_first=True, layers=2, nested=True):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=nested).eval()
+
+
+def count_calls(model):
+    calls: dict[str, list] = {}
+
+    def consumer(name, module, weights, rows):
+        calls.setdefault(name, []).append(weights.clone())
+
+    return calls, AttentionCapture(find_attention_modules(model), consumer)
+
+
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_capture_fires_once_per_layer_on_stock_encoder_with_nested_tensors(with_padding):
+    model = encoder(nested=True)
+    x = torch.randn(3, 6, 16)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    mask = pad if with_padding else None
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    with torch.inference_mode():
+        reference = model(x, src_key_padding_mask=mask)
+        calls, capture = count_calls(model)
+        with capture:
+            out = model(x, src_key_padding_mask=mask)
+    assert sorted(calls) == ["layers.0.self_attn", "layers.1.self_attn"]
+    for weights in calls.values():
+        assert len(weights) == 1 and weights[0].shape == (3, 4, 6, 6)
+        torch.testing.assert_close(weights[0].sum(-1), torch.ones(3, 4, 6))
+        if with_padding:
+            assert float(weights[0][0, :, :, 4:].abs().max()) == 0.0  # padded keys get no weight
+    # Outputs at real positions are unchanged (padded positions are zeros on the nested path, dense while hooked).
+    valid = ~pad if with_padding else torch.ones_like(pad)
+    assert float((out - reference)[valid].abs().max()) <= 1e-6
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+
+
+def test_capture_weights_equal_manual_need_weights_call_batch_first_false():
+    model = encoder(batch_first=False, layers=1, nested=False)
+    attn = model.layers[0].self_attn
+    x = torch.randn(5, 2, 16)  # (L, B, E)
+    with torch.no_grad():
+        _, expected = attn(x, x, x, need_weights=True, average_attn_weights=False)
+        calls, capture = count_calls(model)
+        with capture:
+            model(x)
+    weights = calls["layers.0.self_attn"][0]
+    assert weights.shape == (2, 4, 5, 5)  # batch-major whatever batch_first says
+    torch.testing.assert_close(weights, expected)
+
+
+def test_capture_nn_transformer_all_modules_and_outputs_identical():
+    torch.manual_seed(0)
+    model = nn.Transformer(16, 4, 2, 2, 32, dropout=0.0, batch_first=True).eval()
+    src, tgt = torch.randn(2, 7, 16), torch.randn(2, 5, 16)
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    with torch.inference_mode():
+        reference = model(src, tgt, tgt_mask=causal, tgt_is_causal=True)
+        calls, capture = count_calls(model)
+        with capture:
+            out = model(src, tgt, tgt_mask=causal, tgt_is_causal=True)
+    assert float((out - reference).abs().max()) <= 1e-6
+    assert len(calls) == 6 and all(len(v) == 1 for v in calls.values())
+    self_attn = calls["decoder.layers.0.self_attn"][0]
+    assert self_attn.shape == (2, 4, 5, 5)
+    assert float(self_attn.triu(1).abs().max()) == 0.0  # causal: nothing above the diagonal
+    assert calls["decoder.layers.1.multihead_attn"][0].shape == (2, 4, 5, 7)
+
+
+def test_capture_gives_caller_what_it_asked_for_positional_need_weights():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        _, averaged = mha(x, x, x)
+        calls, capture = count_calls(mha)
+        with capture:
+            out_none = mha(x, x, x, None, False)  # need_weights passed positionally
+            out_avg = mha(x, x, x)
+            out_heads = mha(x, x, x, average_attn_weights=False)
+    assert out_none[1] is None
+    torch.testing.assert_close(out_avg[1], averaged)
+    assert out_heads[1].shape == (2, 2, 3, 3)
+    assert len(calls[""]) == 3 and all(w.shape == (2, 2, 3, 3) for w in calls[""])
+
+
+@pytest.mark.parametrize("inner_first", [True, False])
+def test_two_captures_both_read_every_call_and_the_last_detach_restores_fastpath(inner_first):
+    # Two monitors on one Trainer: both attached at once, detached in the order they attached (or the other).
+    model = encoder(nested=False)
+    mha = model.layers[0].self_attn
+    seen_by_user_hook = []
+    mha.register_forward_hook(lambda module, args, output: seen_by_user_hook.append(output[1]))  # before ours
+    x = torch.randn(2, 5, 16)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    with torch.no_grad():
+        reference = model(x)
+        _, averaged = mha(x, x, x)
+        outer_calls, outer = count_calls(model)
+        inner_calls, inner = count_calls(model)
+        outer.attach()
+        inner.attach()
+        out = model(x)
+        out_none, out_avg = mha(x, x, x, need_weights=False), mha(x, x, x)
+        for capture in (inner, outer) if inner_first else (outer, inner):
+            assert not torch.backends.mha.get_fastpath_enabled()
+            capture.detach()
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+    torch.testing.assert_close(out, reference)
+    assert out_none[1] is None
+    torch.testing.assert_close(out_avg[1], averaged)
+    for calls in (outer_calls, inner_calls):
+        assert sorted(calls) == ["layers.0.self_attn", "layers.1.self_attn"]
+        assert len(calls["layers.0.self_attn"]) == 3 and len(calls["layers.1.self_attn"]) == 1
+        assert all(w.shape[1] == 4 for w in calls["layers.0.self_attn"])  # per head, whatever the caller asked
+    torch.testing.assert_close(inner_calls["layers.0.self_attn"][0], outer_calls["layers.0.self_attn"][0])
+    # A hook of the user's, registered before, sees what the caller asked for: no weights from the layer's call.
+    unhooked_layer_call, unhooked_averaged, layer_call, none, averaged_call = seen_by_user_hook
+    assert unhooked_layer_call is None and layer_call is None and none is None
+    assert unhooked_averaged.shape == averaged_call.shape == (2, 5, 5)
+
+
+def test_copy_of_an_attached_capture_is_detached_and_fastpath_count_never_goes_wrong():
+    import copy
+
+    model = encoder(nested=False)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    _, capture = count_calls(model)
+    capture.attach()
+    clone = copy.deepcopy(capture)  # as when a monitor is deep-copied mid-epoch
+    assert not clone.attached
+    clone.detach()
+    clone.detach()  # releasing what it never held changes nothing
+    assert not torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(True)  # the user switches it back on while a capture is attached
+    _, another = count_calls(model)
+    with another:
+        assert not torch.backends.mha.get_fastpath_enabled()  # a new capture switches it off again
+    capture.detach()
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+    assert no_hooks_left(model)
+    with count_calls(model)[1]:  # and later captures still work
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+
+
+def no_hooks_left(model):
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_capture_detaches_and_restores_fastpath_after_exception():
+    model = encoder()
+
+    def consumer(name, module, weights, rows):
+        raise RuntimeError("boom")
+
+    capture = AttentionCapture(find_attention_modules(model), consumer)
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), capture:
+        assert not torch.backends.mha.get_fastpath_enabled()
+        model(torch.randn(1, 3, 16))
+    assert torch.backends.mha.get_fastpath_enabled()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    capture.detach()  # idempotent
+
+
+def test_capture_attention_context_manager_collects_every_call():
+    model = encoder(nested=False)
+    with torch.no_grad(), capture_attention(model, modules=["layers.1.*"]) as weights:
+        model(torch.randn(2, 4, 16))
+        model(torch.randn(1, 3, 16))
+    assert list(weights) == ["layers.1.self_attn"]
+    assert [w.shape for w in weights["layers.1.self_attn"]] == [(2, 4, 4, 4), (1, 4, 3, 3)]
+
+
+def test_find_attention_modules_errors_name_the_pattern_and_model():
+    with pytest.raises(
+        ValueError,
+        match="No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
+        "scaled_dot_product_attention "
+        "found in the model \\(Linear\\)",
+    ):
+        find_attention_modules(nn.Linear(2, 2))
+    model = encoder()
+    with pytest.raises(ValueError, match="'layers.0.linear1'.*not attention modules"):
+        find_attention_modules(model, ["layers.0.linear1"])
+    with pytest.raises(ValueError, match="'nothing.*'.*matched no module"):
+        find_attention_modules(model, ["nothing.*"])
+
+
+def _compiled_frames():
+    from torch._dynamo.utils import counters
+
+    return sum(counters["frames"].values())
+
+
+def test_module_compiled_before_the_hooks_existed_is_seen_and_keeps_its_graph_after():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    plain = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    compiled = torch.compile(plain, backend="eager")
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        compiled(x)  # compiled now, without hooks: dynamo does not guard on hooks, so this graph would skip them
+        frames = _compiled_frames()
+        with capture_attention(compiled) as weights:
+            out = compiled(x)
+        assert list(weights) == ["layers.0.self_attn", "layers.1.self_attn"]  # no "_orig_mod" in the names
+        with capture_attention(plain) as expected:
+            plain(x)
+        for name in weights:
+            torch.testing.assert_close(weights[name][0], expected[name][0], rtol=0, atol=0)
+        torch.testing.assert_close(out, plain(x), rtol=1e-6, atol=1e-6)
+        assert torch._dynamo.eval_frame._stance.stance == "default"  # restored on detach
+        compiled(x)  # the graph compiled before runs again: nothing recompiled for good
+        assert _compiled_frames() == frames
+
+
+def test_eager_stance_is_restored_by_the_last_capture_to_detach_and_after_exceptions():
+    model = nn.MultiheadAttention(8, 2, batch_first=True)
+    first, second = AttentionCapture({"a": model}, lambda *a: None), AttentionCapture({"a": model}, lambda *a: None)
+    first.attach()
+    second.attach()
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+    first.detach()
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager"  # the second still reads
+    second.detach()
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+    with pytest.raises(ZeroDivisionError), capture_attention(model):
+        raise ZeroDivisionError
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_wrapper_parts_never_reach_a_name_and_patterns_match_the_clean_names():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    assert clean_name("enc._orig_mod.layers.0._checkpoint_wrapped_module.self_attn") == "enc.layers.0.self_attn"
+    assert clean_name("_fsdp_wrapped_module.layers.1.self_attn") == "layers.1.self_attn"
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    plain = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    wrapped = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    wrapped.layers = nn.ModuleList(checkpoint_wrapper(m) for m in wrapped.layers)
+    assert any("_checkpoint_wrapped_module" in name for name, _ in wrapped.named_modules())
+    holder = nn.Module()
+    holder.enc = torch.compile(wrapped, backend="eager")
+    assert list(find_attention_modules(holder)) == [f"enc.{name}" for name in find_attention_modules(plain)]
+    assert list(find_attention_modules(holder, ["enc.layers.1.*"])) == ["enc.layers.1.self_attn"]
+
+
+def test_capture_inside_a_compiled_function_reads_the_calls_leaves_the_stance_alone():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2)
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0]
+
+    holder = Holder()
+
+    @torch.compile(backend="eager")
+    def run(x):
+        with capture_attention(holder) as weights:
+            out = holder(x)
+        return out, len(weights["attn"])
+
+    assert run(torch.randn(3, 1, 8))[1] == 1
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_module_device_reads_parameters_then_buffers_then_the_default():
+    assert module_device(nn.Linear(2, 2)) == torch.device("cpu")
+    norm = nn.BatchNorm1d(2, affine=False)  # buffers only
+    assert module_device(norm.to("meta")) == torch.device("meta")
+    assert module_device(nn.Identity(), torch.device("meta")) == torch.device("meta")
+    assert module_device(nn.Identity()) == torch.device("cpu")

@@ -1,0 +1,285 @@
+import math
+
+import pytest
+import torch
+from _reference import (
+    accumulate_attention_reference,
+    naive_accumulate,
+    naive_position_sums,
+    naive_uniform,
+    random_case,
+    run,
+    run_full,
+)
+
+from attn_callbacks import functional as F
+from attn_callbacks.sums import step as kernels
+from attn_callbacks.sums.step import accumulate_attention_torch, weights_plogp
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_accumulate_attention_matches_naive_loop_self_attention_padding_causal_mask():
+    for causal in (False, True):
+        case = random_case(3, 4, 7, 7, 5, 5, causal=causal)
+        S, C, Q, skipped = run(*case, 5, 5)
+        rS, rC, rQ, rskipped = naive_accumulate(*case, 5, 5)
+        torch.testing.assert_close(S.double(), rS, rtol=1e-5, atol=1e-6)
+        assert torch.equal(C.double(), rC) and torch.equal(Q.double(), rQ) and skipped == rskipped == 0
+
+
+def test_accumulate_attention_matches_naive_loop_cross_attn_other_lengths_and_vocabs():
+    case = random_case(2, 3, 6, 9, 4, 11, seed=1)
+    S, C, Q, _ = run(*case, 4, 11)
+    rS, rC, rQ, _ = naive_accumulate(*case, 4, 11)
+    torch.testing.assert_close(S.double(), rS, rtol=1e-5, atol=1e-6)
+    assert torch.equal(C.double(), rC) and torch.equal(Q.double(), rQ)
+
+
+def test_accumulate_attention_drops_and_counts_nan_rows():
+    weights, qi, ki, qv, kv = random_case(2, 2, 4, 4, 3, 3, seed=2)
+    weights[1, :, 2] = float("nan")  # a fully masked row, in every head
+    weights[0, 1, 0, 1] = float("nan")  # one head only: the whole row goes
+    S, C, Q, skipped = run(weights, qi, ki, qv, kv, 3, 3)
+    rS, rC, rQ, rskipped = naive_accumulate(weights, qi, ki, qv, kv, 3, 3)
+    assert torch.isfinite(S).all()
+    torch.testing.assert_close(S.double(), rS, rtol=1e-5, atol=1e-6)
+    assert torch.equal(C.double(), rC) and torch.equal(Q.double(), rQ) and skipped == rskipped == 2
+
+
+def test_accumulate_attention_uniform_sum_matches_naive_loop_padding_causal_mask():
+    for causal in (False, True):
+        case = random_case(3, 4, 7, 7, 5, 5, causal=causal, seed=4)
+        S, C, Q, U, _, skipped = run_full(*case, 5, 5)
+        torch.testing.assert_close(U, naive_uniform(*case, 5, 5), rtol=1e-6, atol=1e-7)
+        # the new accumulators leave S, C, Q and the skipped count as before
+        rS, rC, rQ, rskipped = naive_accumulate(*case, 5, 5)
+        torch.testing.assert_close(S.double(), rS, rtol=1e-5, atol=1e-6)
+        assert torch.equal(C.double(), rC) and torch.equal(Q.double(), rQ) and skipped == rskipped == 0
+        # every valid row has a visible key (key 0 is valid everywhere), so it spreads exactly 1 over its keys
+        seen = Q > 0
+        torch.testing.assert_close(U.sum(dim=1)[seen], Q[seen].double(), rtol=1e-6, atol=1e-7)
+        assert (U[~seen] == 0).all()
+
+
+def test_accumulate_attention_uniform_sum_excludes_causally_masked_keys():
+    case = random_case(2, 3, 5, 5, 4, 4, causal=True, seed=5)
+    _, qi, ki, qv, kv = case
+    _, _, _, U, _, _ = run_full(*case, 4, 4)
+    # by hand: row i sees the valid keys among 0..i, never the future ones
+    expected = torch.zeros(4, 4, dtype=torch.float64)
+    for n in range(2):
+        for i in range(5):
+            if not qv[n, i]:
+                continue
+            keys = [j for j in range(i + 1) if kv[n, j]]
+            for j in keys:
+                expected[int(qi[n, i]), int(ki[n, j])] += 1 / len(keys)
+    torch.testing.assert_close(U, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_accumulate_attention_uniform_sum_matches_naive_loop_cross_attn_nan_rows():
+    weights, qi, ki, qv, kv = random_case(2, 3, 6, 9, 4, 11, causal=True, seed=6)
+    weights[1, :, 2] = float("nan")
+    weights[0, 2, 3, 0] = float("nan")  # one head: the whole row goes
+    _, _, Q, U, _, skipped = run_full(weights, qi, ki, qv, kv, 4, 11)
+    assert skipped == 2 and torch.isfinite(U).all()
+    torch.testing.assert_close(U, naive_uniform(weights, qi, ki, qv, kv, 4, 11), rtol=1e-6, atol=1e-7)
+    seen = Q > 0
+    torch.testing.assert_close(U.sum(dim=1)[seen], Q[seen].double(), rtol=1e-6, atol=1e-7)
+
+
+def test_accumulate_attention_visible_keys_are_valid_and_non_zero_in_some_head():
+    # one query row, 4 keys; key 2 gets 0 in both heads, key 1 only in head 0, key 3 is padding (non-zero weight)
+    weights = torch.tensor([[[[0.4, 0.4, 0.0, 0.2]], [[0.8, 0.0, 0.0, 0.2]]]])  # (B=1, H=2, Lq=1, Lk=4)
+    query_ids, key_ids = torch.tensor([[1]]), torch.tensor([[0, 1, 2, -100]])
+    _, _, _, U, P, _ = run_full(weights, query_ids, key_ids, torch.tensor([[True]]), key_ids != -100, 3, 3)
+    torch.testing.assert_close(
+        U, torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    )
+    # over the valid keys, renormalised: head 0 is [0.5, 0.5, 0], head 1 is [1, 0, 0]
+    entropy = [math.log(2), 0.0]
+    expected = torch.tensor(
+        [
+            entropy,
+            [math.log(2), math.log(2)],  # 2 visible keys, whatever the head
+            [0.4, 0.8],  # self: key 0
+            [0.0, 0.0],  # no previous position
+            [0.4, 0.0],  # next: key 1
+            [0.4 * 1 + 0.0 * 2, 0.0],  # distance; key 3 is padding
+        ],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(P, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_accumulate_attention_new_accumulators_add_up_over_calls():
+    case = random_case(2, 2, 5, 5, 4, 4, causal=True, seed=7)
+    _, _, _, U1, P1, _ = run_full(*case, 4, 4)
+    S = torch.zeros(2, 4, 4)
+    C = torch.zeros(4, 4, dtype=torch.long)
+    Q = torch.zeros(4, dtype=torch.long)
+    U = torch.zeros(4, 4, dtype=torch.float64)
+    P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+    for _ in range(2):
+        accumulate_attention_reference(S, C, Q, *case, uniform_sum=U, position_sums=P)
+    torch.testing.assert_close(U, 2 * U1)
+    torch.testing.assert_close(P, 2 * P1)
+
+
+def test_accumulate_attention_position_sums_match_naive_loop_self_attention():
+    assert F.POSITION_STATS == ("entropy", "max_entropy", "self", "previous", "next", "distance")
+    for causal in (False, True):
+        weights, qi, ki, qv, kv = random_case(3, 4, 7, 7, 5, 5, causal=causal, seed=8)
+        *_, P, _ = run_full(weights, qi, ki, qv, kv, 5, 5)
+        assert P.shape == (6, 4)
+        torch.testing.assert_close(P, naive_position_sums(weights, qv, kv), rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_attention_position_sums_match_naive_loop_cross_attention_nan_row():
+    for lq, lk in ((5, 8), (8, 5)):
+        weights, qi, ki, qv, kv = random_case(2, 3, lq, lk, 4, 6, seed=9)
+        weights[1, :, 2] = float("nan")
+        weights[0, 1, 0, 3] = float("nan")
+        *_, P, skipped = run_full(weights, qi, ki, qv, kv, 4, 6)
+        assert skipped == 2 and torch.isfinite(P).all()
+        torch.testing.assert_close(P, naive_position_sums(weights, qv, kv), rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_attention_position_sums_fully_masked_row_contributes_nothing():
+    weights, qi, ki, qv, kv = random_case(1, 2, 4, 4, 3, 3, seed=10)
+    _, _, _, U0, P0, _ = run_full(weights, qi, ki, qv, kv, 3, 3)
+    qv_fewer = qv.clone()
+    qv_fewer[0, 1] = False
+    weights[0, :, 1] = float("nan")
+    _, _, _, U1, P1, skipped = run_full(weights, qi, ki, qv, kv, 3, 3)
+    _, _, _, U2, P2, _ = run_full(weights, qi, ki, qv_fewer, kv, 3, 3)  # the same row ignored as padding
+    assert skipped == 1
+    torch.testing.assert_close(P1, P2)
+    torch.testing.assert_close(U1, U2)
+    assert not torch.equal(P0, P1) and not torch.equal(U0, U1)
+
+
+@pytest.mark.parametrize("path", ["reference", "fast", "torch"])  # fast: the numba kernel on CPU, where numba runs
+def test_accumulate_attention_drops_and_counts_all_zero_rows_like_padding(path):
+    # A valid query row with no weight in any head (some attention code zeroes padded queries) is no occurrence of its
+    # token's attention: counted in Q it would pull that token's row of P below 1.
+    weights, qi, ki, qv, kv = random_case(2, 2, 5, 5, 3, 3, seed=11)
+    weights[1, :, 2] = 0.0  # every head
+    weights[0, 1, 3] = 0.0  # one head only: still attention, kept
+    as_padding = qv.clone()
+    as_padding[1, 2] = False
+
+    def sums(query_valid):
+        if path == "reference":
+            return run_full(weights, qi, ki, query_valid, kv, 3, 3)
+        pairs = F.pair_index(qi, ki, query_valid, kv, 3, 3)
+        packed, C, Q = torch.zeros(3, 9, dtype=torch.float64), torch.zeros(9, dtype=torch.long), torch.zeros(3).long()
+        P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+        fast = accumulate_attention_torch if path == "torch" else F.accumulate_attention
+        skipped = fast(packed, C, Q, P, weights.double(), pairs, qi, query_valid, kv)
+        return packed[:2].view(2, 3, 3), C.view(3, 3), Q, packed[2].view(3, 3), P, int(skipped)
+
+    *dropped, skipped = sums(qv)
+    *padded, none = sums(as_padding)
+    assert skipped == 1 and none == 0
+    for got, want in zip(dropped, padded, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_row_plogp_one_pass_and_exact_paths_match_float64_loop(exact):
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(4, 6, generator=g)
+    w[0] /= w[0].sum()  # mass 1: the one-pass formula
+    w[1] *= 1e-3  # small mass: redone exactly on the one-pass path
+    w[2] = torch.tensor([1e-40, 3e-41, 0.0, 0.0, 2e-42, 0.0])  # subnormal mass
+    w[3] = 0.0  # nothing visible: 0
+    got = weights_plogp(w, w.sum(dim=-1), exact=exact)
+    expected = []
+    for row in w.double().tolist():
+        total = sum(row)
+        expected.append(sum(x / total * math.log(x / total) for x in row if x > 0) if total > 0 else 0.0)
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_row_plogp_paths_agree_and_stay_finite_for_a_negative_weight(device):
+    # Not attention (softmax weights are >= 0), but a custom module's weights: both paths (GPU and CPU) must give the
+    # same finite value, never a positive Σ p log p (a negative entropy). 0 here: the negative weight meets the clamp.
+    w = torch.tensor([[0.5, 0.6, -0.1, 0.0], [0.05, 0.06, -0.01, 0.0]])  # mass 1 (one pass) and 0.1 (exact, redone)
+    exact = weights_plogp(w.to(device), w.sum(dim=-1).to(device), exact=True).cpu()  # on CUDA: x log x by xlogy
+    one_pass = weights_plogp(w, w.sum(dim=-1), exact=False)
+    torch.testing.assert_close(exact, one_pass)
+    assert torch.isfinite(exact).all() and (exact <= 0).all()
+
+
+def test_pair_index_points_ignored_pairs_at_their_position_where_they_add_nothing():
+    """Ignored pairs spread over the cells by their position in the sample (one cell would serialise a GPU's atomic
+    adds), and the sums of the torch path equal those without them at all (a batch of the valid sample alone)."""
+    weights, qi, ki, qv, kv = random_case(3, 2, 6, 5, 4, 3, seed=5)
+    qv[0, 1], kv[0, 4], kv[2, :2] = False, False, False
+    qi[0, 1], ki[0, 4] = -100, 99  # any id at an ignored position
+    pairs = F.pair_index(qi, ki, qv, kv, 4, 3)
+    ignored = ~(qv[:, :, None] & kv[:, None, :])
+    position = (torch.arange(6 * 5) % 12).view(6, 5).expand(3, -1, -1)
+    assert torch.equal(pairs[ignored], position[ignored])
+    assert torch.equal(pairs[~ignored], (qi[:, :, None] * 3 + ki[:, None, :])[~ignored])
+
+    def torch_sums(w, q, k, q_valid, k_valid):
+        packed, C, Q = torch.zeros(3, 12, dtype=torch.float64), torch.zeros(12, dtype=torch.long), torch.zeros(4).long()
+        P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+        index = F.pair_index(q, k, q_valid, k_valid, 4, 3)
+        accumulate_attention_torch(packed, C, Q, P, w.double(), index, q, q_valid, k_valid)
+        return packed, C, Q
+
+    got = torch_sums(weights, qi, ki, qv, kv)
+    want = run_full(weights, qi.clamp(0, 3), ki.clamp(0, 2), qv, kv, 4, 3)
+    torch.testing.assert_close(got[0][:2].view(2, 4, 3), want[0].double(), rtol=1e-6, atol=1e-7)  # float32 there
+    assert torch.equal(got[1].view(4, 3), want[1]) and torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[0][2].view(4, 3), want[3], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 700])  # 700: one sample per chunk on CPU
+@pytest.mark.parametrize("mean_of_heads", [False, True])
+def test_a_hot_cell_summed_apart_gives_the_naive_sums(mean_of_heads, chunk_bytes, monkeypatch):
+    """Off the CPU the torch step sums the pairs of one cell, (<other>, <other>) of tracked streams, apart from the
+    scatter; its sums, counts and position sums stay those of the float64 loops, with padding, an ignored id that
+    points at the hot cell and a dropped (NaN) row among that cell's pairs, in one chunk or sample by sample."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(kernels, "_CPU_CHUNK_BYTES", chunk_bytes)
+    weights, qi, ki, qv, kv = random_case(3, 2, 7, 6, 4, 3, causal=True, seed=8)
+    qi[:, ::2], ki[:, 1::2] = 3, 2  # (3, 2), the last cell, takes about a quarter of the pairs
+    weights[1, :, 4] = float("nan")  # a dropped row holding id 3
+    qv[2, 6], qi[2, 6] = False, 3  # an ignored query holding the hot id
+    hot = 3 * 3 + 2
+    pairs = F.pair_index(qi, ki, qv, kv, 4, 3)
+    assert (pairs == hot).sum() > 20
+
+    def step(hot_cell):
+        channels = 1 if mean_of_heads else 2
+        packed, C, Q = torch.zeros(channels + 1, 12), torch.zeros(12, dtype=torch.long), torch.zeros(4).long()
+        P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+        skipped = accumulate_attention_torch(packed, C, Q, P, weights, pairs, qi, qv, kv, hot_cell=hot_cell)
+        return packed, C, Q, P, int(skipped)
+
+    packed, C, Q, P, skipped = step(hot)
+    S, rC, rQ, U, rP, rskipped = run_full(weights, qi, ki, qv, kv, 4, 3)
+    rS = S.double().mean(dim=0, keepdim=True) if mean_of_heads else S.double()
+    torch.testing.assert_close(packed[:-1].double().view_as(rS), rS, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(packed[-1].double().view(4, 3), U, rtol=1e-6, atol=1e-6)
+    assert torch.equal(C.view(4, 3), rC) and torch.equal(Q, rQ) and skipped == rskipped == 1
+    torch.testing.assert_close(P, rP, rtol=1e-5, atol=1e-6)
+    assert rC[3, 2] > 10 and rS[:, 3, 2].min() > 0  # the cell did get pairs
+    # and the same as scattering it with the rest
+    for got, want in zip(step(hot)[:4], step(None)[:4], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_hot_cell_in_an_empty_batch_adds_nothing():
+    packed, C, Q = torch.zeros(3, 12), torch.zeros(12, dtype=torch.long), torch.zeros(4).long()
+    P = torch.zeros(len(F.POSITION_STATS), 2, dtype=torch.float64)
+    weights, ids, valid = torch.zeros(0, 2, 5, 5), torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5).bool()
+    pairs = F.pair_index(ids, ids, valid, valid, 4, 3)
+    skipped = accumulate_attention_torch(packed, C, Q, P, weights, pairs, ids, valid, valid, hot_cell=11)
+    assert int(skipped) == 0 and not packed.any() and not C.any() and not Q.any() and not P.any()
