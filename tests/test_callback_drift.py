@@ -1,0 +1,154 @@
+"""AttentionMonitor end to end, drift across epochs: a resumed run, drift memory and its reuse, the moved-tokens
+table."""
+
+import gc
+import math
+
+import pytest
+import torch
+from _callback_helpers import PAD, VOCAB, TinyEncoder, last_scalars, loaders, trainer
+from _reference import ACCELERATOR, copied, naive_js, returned
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
+
+from attn_callbacks import AttentionMonitor, load_epoch
+from attn_callbacks.functional import attention_mass
+
+
+def drift_scalars(log_dir):
+    return {**last_scalars(log_dir, "_drift/"), **last_scalars(log_dir, "_drift_heads/")}
+
+
+def checkpointed_fit(tmp_path, name, max_epochs, ckpt_path=None):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    train, val = loaders()
+    t = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=max_epochs,
+        accelerator=ACCELERATOR,
+        logger=TensorBoardLogger(tmp_path, name=name),
+        callbacks=[monitor, checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    t.fit(TinyEncoder(), train, val, ckpt_path=ckpt_path)
+    return t, monitor
+
+
+def test_callback_resumed_run_logs_the_same_drift_as_an_uninterrupted_one(tmp_path):
+    straight, _ = checkpointed_fit(tmp_path / "a", "straight", max_epochs=3)
+    expected = drift_scalars(straight.logger.log_dir)
+    _, monitor = checkpointed_fit(tmp_path / "b", "first", max_epochs=2)
+    last = tmp_path / "b" / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)  # the callback state is plain tensors and numbers
+    state = checkpoint["callbacks"][monitor.state_key]
+    assert state["previous_epoch"] == 1 and state["reference_epoch"] == 0
+    resumed, _ = checkpointed_fit(tmp_path / "b", "resumed", max_epochs=3, ckpt_path=last)
+    got = drift_scalars(resumed.logger.log_dir)
+    assert len(expected) == 2 * 4 * 3  # 2 layers x {js, frobenius} x {prev, ref} x (layer + 2 heads)
+    assert got.keys() == expected.keys()
+    for tag, value in expected.items():
+        assert math.isclose(got[tag], value, rel_tol=1e-5, abs_tol=1e-7), tag
+    assert (
+        expected["attention_drift/js_prev/encoder.layers.0.self_attn"]
+        != expected["attention_drift/js_ref/encoder.layers.0.self_attn"]
+    )  # epoch 2 against epoch 1 and against epoch 0 really differ
+
+
+def test_callback_memory_stays_flat_across_batches_and_epochs(tmp_path):
+    class Counter(AttentionMonitor):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            super().on_validation_epoch_end(trainer, pl_module)
+            gc.collect()
+            self.counts = getattr(self, "counts", [])
+            self.counts.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))
+
+    class Lean(TinyEncoder):  # keeps no outputs of its own
+        def validation_step(self, batch, batch_idx):
+            self(batch["input_ids"])
+
+    monitor = Counter(VOCAB, "input_ids", ignore_ids=[PAD], probe="first")
+    train, val = loaders()
+    trainer(tmp_path, [monitor], max_epochs=5, num_sanity_val_steps=0, logger=CSVLogger(tmp_path)).fit(
+        Lean(), train, val
+    )
+    # Drift memory fills up over the first two epochs (reference, then a distinct previous); then nothing grows.
+    assert len(monitor.counts) == 5 and len(set(monitor.counts[2:])) == 1, monitor.counts
+    # Between epochs, sums whose memory drift memory took (P computed where S lay) wait for the next epoch's start.
+    assert len(monitor._sums.metrics) == 2 and all(
+        m.sums.device.type == ("cpu" if ACCELERATOR == "cpu" else "cuda")
+        and m.sums.shape == ((3, VOCAB * VOCAB) if m.allocated else (0,))
+        for m in monitor._sums.metrics.values()
+    )
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_callback_sums_reuse_retired_snapshots_never_the_reference(tmp_path, per_head):
+    """P is computed where S lay; drift memory keeps it, and the sums take a retired snapshot's memory."""
+
+    class Recorder(AttentionMonitor):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            epoch_sums = {}
+
+            def keep(result):
+                epoch_sums.update({name: copied(stats) for name, stats in result[1].items()})
+
+            with returned(self._sums, "collect", keep):
+                super().on_validation_epoch_end(trainer, pl_module)
+            # The sums wait zeroed for the next epoch, in the memory of a retired snapshot or their own, or empty.
+            assert all(not m.allocated or not m.sums.any() for m in self._sums.metrics.values())
+            if trainer.sanity_checking:  # monitored, but never a drift epoch: no snapshot, no spare used
+                assert not self._drift.previous and not self._drift._spare
+                return
+            self.seen = getattr(self, "seen", [])
+            mass = self._drift.previous["encoder.layers.0.self_attn"]["attention_mass"]
+            # Drift memory holds exactly S / Q of this epoch's sums, also in memory that held an earlier epoch's.
+            for name, stats in epoch_sums.items():
+                want = attention_mass(stats.attention_sum, stats.query_count)
+                assert torch.equal(self._drift.previous[name]["attention_mass"], want), (trainer.current_epoch, name)
+            self.seen.append((mass.data_ptr(), mass.clone()))
+            reference = self._drift.reference["encoder.layers.0.self_attn"]["attention_mass"]
+            assert torch.equal(reference, self.seen[0][1])  # the reference epoch's P is never overwritten
+            if trainer.current_epoch == 2:
+                # A checkpoint holds P alone, not the packed sums (U beside it) that it was computed in.
+                saved = self.state_dict()["previous"]["encoder.layers.0.self_attn"]["attention_mass"]
+                assert torch.equal(saved, mass) and saved.untyped_storage().nbytes() == saved.nbytes
+
+    monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD], per_head=per_head, log_sanity_check=True)
+    train, val = loaders()
+    trainer(tmp_path, [monitor], max_epochs=6, num_sanity_val_steps=2, logger=CSVLogger(tmp_path)).fit(
+        TinyEncoder(), train, val
+    )
+    pointers = [pointer for pointer, _ in monitor.seen]
+    # Epoch 1's P retires at epoch 3: its memory holds epoch 3's sums, then P; epoch 2's serves epoch 4, and so on.
+    # The reference (epoch 0) keeps its own memory, and its values (checked above at every epoch).
+    assert len(set(pointers[:3])) == 3 and pointers[0] not in pointers[1:]
+    assert len(pointers) == 6 and pointers[1] == pointers[3] == pointers[5] and pointers[2] == pointers[4]
+
+
+def test_callback_drift_table_lists_most_moved_tokens_with_loop_js_against_both(tmp_path):
+    layer = "encoder.layers.0.self_attn"
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=2, num_pairs=4, export="pt")
+    train, val = loaders()
+    fitted = trainer(tmp_path, [monitor], max_epochs=3, num_sanity_val_steps=0)
+    fitted.fit(TinyEncoder(), train, val)
+    events = EventAccumulator(fitted.logger.log_dir, size_guidance={TENSORS: 0})
+    events.Reload()
+    table = events.Tensors(f"attention_drift_tokens/{layer}/text_summary")[-1].tensor_proto.string_val[0].decode()
+    rows = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    # each epoch's P̄ and Q, from the exported sums
+    epochs = [load_epoch(path).modules[layer] for path in sorted(tmp_path.rglob("*.pt"))]
+    (ref, ref_q), (prev, prev_q), (now, now_q) = [(s.attention_mass.double().mean(0), s.query_count) for s in epochs]
+    supported = [a for a in range(VOCAB) if now_q[a] >= 2 and ref_q[a] >= 2]
+    expected = sorted((-naive_js(now[a].tolist(), ref[a].tolist()), a) for a in supported)[:4]
+    assert [int(row[0]) for row in rows] == [a for _, a in expected]
+    for row, (js, a) in zip(rows, expected, strict=True):
+        assert abs(float(row[1]) + js) < 1e-3
+        against_previous = naive_js(now[a].tolist(), prev[a].tolist()) if prev_q[a] >= 2 else None
+        assert (row[2] == "") if against_previous is None else abs(float(row[2]) - against_previous) < 1e-3
+        assert int(row[5]) == int(now_q[a])

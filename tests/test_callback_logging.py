@@ -1,0 +1,142 @@
+"""AttentionMonitor end to end, what reaches the loggers: tags, images, tables and scalars read back from
+TensorBoard and CSV files."""
+
+import csv
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from _callback_helpers import PAD, VOCAB, TinyEncoder, loaders, no_hooks, trainer
+from lightning.pytorch import seed_everything
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
+
+from attn_callbacks import AttentionMonitor
+
+
+def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_path):
+    seed_everything(0)
+    labels = [f"tok{i}" for i in range(VOCAB)]
+    monitor = AttentionMonitor(VOCAB, "input_ids", id_to_token=labels, ignore_ids=[PAD], top_k=8, min_support=1)
+    model = TinyEncoder()
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], num_sanity_val_steps=2)
+    t.fit(model, train, val)
+    assert no_hooks(model) and torch.backends.mha.get_fastpath_enabled()
+
+    events = EventAccumulator(t.logger.log_dir, size_guidance={IMAGES: 0, SCALARS: 0, TENSORS: 0})
+    events.Reload()
+    layers = ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    every_epoch = ("mass", "mass_heads", "asymmetry_map", "lift_map")
+    kinds = (*every_epoch, "drift_map")
+    position = ("entropy", "entropy_normalized", "self", "previous", "next", "distance")
+    grids = [f"attention_heads/{m}" for m in ("entropy", "asymmetry", "lift", *(f"position_{s}" for s in position))]
+    drift_grids = [f"attention_heads/drift_{kind}_{which}" for kind in ("js", "frobenius") for which in ("prev", "ref")]
+    assert sorted(events.Tags()["images"]) == sorted(
+        [f"attention_{k}/{layer}" for k in kinds for layer in layers] + grids + drift_grids
+    )
+    for tag in grids + drift_grids:
+        assert len(events.Images(tag)) == (1 if "drift" in tag else 2)
+    for layer in layers:
+        for kind in kinds:
+            images = events.Images(f"attention_{kind}/{layer}")
+            # two epochs, sanity check not logged; drift needs a previous epoch
+            assert len(images) == (2 if kind in every_epoch else 1)
+            png = Image.open(io.BytesIO(images[-1].encoded_image_string))
+            assert png.size == (images[-1].width, images[-1].height) and png.width > 200 and png.height > 200
+        stats = ("entropy_normalized", "entropy", "self", "previous", "next", "distance")
+        every_epoch_scalars = ("asymmetry", "entropy", "lift", "skipped_rows", *(f"position/{s}" for s in stats))
+        drift_scalars = [f"drift/{kind}_{which}" for kind in ("js", "frobenius") for which in ("prev", "ref")]
+        for name in (*every_epoch_scalars, *drift_scalars):
+            values = [e.value for e in events.Scalars(f"attention_{name}/{layer}")]
+            assert len(values) == (1 if name.startswith("drift") else 2) and all(math.isfinite(v) for v in values)
+            assert f"attention_{name}/{layer}" in t.callback_metrics
+            if name != "skipped_rows":  # a per-layer count, no head
+                for h in range(2):
+                    # Straight to the loggers, at the layer scalar's steps; not in callback_metrics.
+                    family, _, metric = f"{name}/".partition("/")
+                    head = f"attention_{family}_heads/{metric}{layer}/head_{h}"
+                    steps = [e.step for e in events.Scalars(head)]
+                    assert steps == [e.step for e in events.Scalars(f"attention_{name}/{layer}")]
+                    assert head not in t.callback_metrics
+        for table, count in (("one_way_pairs", 2), ("lift_pairs", 2), ("hubs", 2), ("drift_tokens", 1)):
+            text = events.Tensors(f"attention_{table}/{layer}/text_summary")  # add_text's own suffix
+            assert len(text) == count and text[-1].tensor_proto.string_val[0].startswith(b"| ")
+        text = events.Tensors(f"attention_one_way_pairs/{layer}/text_summary")
+        assert b"| query a | key b |" in text[-1].tensor_proto.string_val[0]
+        # epoch 0 is both the reference and the previous epoch: each moved token's two JS columns agree
+        drift = events.Tensors(f"attention_drift_tokens/{layer}/text_summary")[-1].tensor_proto.string_val[0]
+        rows = [line.split(" | ") for line in drift.decode().splitlines()[2:]]
+        assert rows and all(row[1] == row[2] for row in rows)
+    js = events.Scalars(f"attention_drift/js_prev/{layers[0]}")[0].value
+    assert 0 < js <= math.log(2)  # the model trained between the two epochs
+    assert js == events.Scalars(f"attention_drift/js_ref/{layers[0]}")[0].value  # epoch 0 is both
+    asym = [e.value for e in events.Scalars(f"attention_asymmetry/{layers[0]}")]
+    assert all(0.0 <= v <= 1.0 for v in asym)
+    entropy = [e.value for e in events.Scalars(f"attention_entropy/{layers[0]}")]
+    assert all(0.0 < v <= math.log(VOCAB) for v in entropy)
+
+
+def test_callback_without_tensorboard_logs_scalars_and_warns_once(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path))
+    with pytest.warns(UserWarning, match="no TensorBoardLogger") as record:
+        t.fit(TinyEncoder(), train, val)
+    assert sum("no TensorBoardLogger" in str(w.message) for w in record) == 1
+    with open(f"{t.logger.log_dir}/metrics.csv") as handle:
+        text = handle.read()
+    assert "attention_asymmetry/encoder.layers.0.self_attn" in text
+
+
+def test_callback_under_fast_dev_run_says_why_there_are_no_images(tmp_path):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], fast_dev_run=True)  # a TensorBoardLogger given, replaced by Lightning
+    with pytest.warns(UserWarning, match="fast_dev_run replaces the Trainer's loggers with a dummy one"):
+        t.fit(TinyEncoder(), train, val)
+
+
+def test_callback_per_head_scalars_skip_the_sanity_check_like_lightnings_own_scalars(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], log_sanity_check=True)
+    train, val = loaders()
+    t = trainer(tmp_path, [monitor], max_epochs=1, num_sanity_val_steps=2)
+    t.fit(TinyEncoder(), train, val)
+    events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    layer = "attention_entropy/encoder.layers.0.self_attn"
+    assert len(events.Scalars(layer)) == 1  # epoch 0 only: Lightning drops what the sanity check logs
+    head = "attention_entropy_heads/encoder.layers.0.self_attn/head_1"
+    assert [e.step for e in events.Scalars(head)] == [events.Scalars(layer)[0].step]
+
+
+def test_callback_scalars_equal_in_csv_and_tensorboard_images_only_in_tensorboard(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], sink_ids=[1])
+    train, val = loaders()
+    csv_logger, tb_logger = CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")
+    t = trainer(tmp_path, [monitor], logger=[csv_logger, tb_logger])
+    t.fit(TinyEncoder(), train, val)
+    with open(f"{csv_logger.log_dir}/metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    events = EventAccumulator(tb_logger.log_dir, size_guidance={SCALARS: 0, IMAGES: 0})
+    events.Reload()
+    ours = [tag for tag in events.Tags()["scalars"] if tag.startswith("attention_")]
+    assert ours and set(ours) <= set(rows[0])  # every scalar tag is a CSV column
+    for tag in ours:
+        from_csv = [(int(row["step"]), float(row[tag])) for row in rows if row[tag] != ""]
+        from_tb = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in from_csv] == [s for s, _ in from_tb], tag
+        assert [v for _, v in from_csv] == pytest.approx([v for _, v in from_tb], rel=1e-6, abs=1e-7), tag
+    # All per-head scalars of an epoch end are one CSV row, with its epoch, as Lightning writes the layer scalars.
+    heads = [tag for tag in ours if "/head_" in tag and "_drift_" not in tag]  # drift only from the second epoch
+    head_rows = [row for row in rows if any(row[tag] != "" for tag in heads)]
+    assert len(heads) > 10 and [row["epoch"] for row in head_rows] == ["0", "1"]
+    assert all(row[tag] != "" for row in head_rows for tag in heads)
+    assert len(events.Tags()["images"]) > 0
+    assert not list(Path(csv_logger.log_dir).glob("*.png"))  # images go to TensorBoard only
