@@ -1,0 +1,64 @@
+"""The private attributes of torch and Lightning that attn_callbacks/base/private_api.py reads, checked against the
+installed versions: when a release changes one, these fail here first."""
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
+from torch.overrides import TorchFunctionMode
+from torch.utils.data import DataLoader, TensorDataset
+
+from attn_callbacks.base.private_api import epoch_end_step, fresh_iterator, remove_function_mode
+
+
+class Tag(TorchFunctionMode):
+    def __init__(self, seen, name):
+        super().__init__()
+        self.seen, self.name = seen, name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(self.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_remove_function_mode_keeps_the_modes_entered_after_it():
+    seen, x = [], torch.ones(1)
+    lower, upper = Tag(seen, "lower"), Tag(seen, "upper")
+    lower.__enter__()
+    upper.__enter__()
+    remove_function_mode(lower)
+    x.add(1)
+    assert seen == ["upper"]
+    upper.__exit__(None, None, None)  # pops upper, the top: the stack is as it was before either
+    seen.clear()
+    x.add(1)
+    assert seen == []
+    remove_function_mode(lower)  # not on the stack: nothing to do
+
+
+def test_epoch_end_step_is_the_step_lightning_logs_epoch_metrics_at(tmp_path):
+    steps = []
+
+    class Model(BoringModel):
+        def on_validation_epoch_end(self):
+            self.log("probe", 1.0)
+            steps.append(epoch_end_step(self.trainer))
+
+    logger = CSVLogger(tmp_path)
+    trainer = Trainer(
+        max_epochs=2, limit_train_batches=3, limit_val_batches=1, logger=logger, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(Model())
+    logged = [line.split(",") for line in (tmp_path / "lightning_logs/version_0/metrics.csv").read_text().splitlines()]
+    header = logged[0]
+    rows = [dict(zip(header, row, strict=True)) for row in logged[1:]]
+    assert [int(row["step"]) for row in rows if row.get("probe")] == steps == [2, 5]
+
+
+def test_fresh_iterator_is_independent_of_a_persistent_workers_iterator():
+    loader = DataLoader(TensorDataset(torch.arange(6)), batch_size=2, num_workers=1, persistent_workers=True)
+    running = iter(loader)
+    first = next(running)
+    assert [int(batch[0][0]) for batch in fresh_iterator(loader)] == [0, 2, 4]
+    assert int(first[0][0]) == 0 and int(next(running)[0][0]) == 2  # the running iterator went on undisturbed
