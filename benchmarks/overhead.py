@@ -7,7 +7,9 @@ Workloads (benchmarks/_workload.py): 4 × nn.TransformerEncoderLayer(256, 8 head
 length 128, Zipf(1) ids over 8,000 tracked to 2,048 + <other>; "stress" is the encoder alone, "heavy" adds a
 language-model head and its loss, "sdpa" is the stress shapes in blocks calling ``F.scaled_dot_product_attention``.
 ``--preset bert-base`` gives the models BERT-base shapes instead (12 layers of d_model 768, 12 heads, feed-forward
-3072, a 30,522-id vocabulary tracked to 1,024: what fits the default memory budget), for a GPU.
+3072, a 30,522-id vocabulary tracked to 1,024: what fits the default memory budget), for a GPU; ``--preset tiny``
+gives them toy shapes (1 layer of d_model 32, 2 heads, batch 4 × length 16, 64 ids tracked to 32), for a smoke run
+whose figures mean little: ``--preset tiny --batches 2 --rounds 1 --models stress --configs per-head``.
 Configurations, interleaved round by round so that machine noise hits them alike (after each fresh monitor, an
 untimed floor epoch: the allocator, once that monitor's memory is freed, hands the next epoch fresh pages to fault in):
 
@@ -62,13 +64,13 @@ from _workload import (
 )
 from attn_callbacks import AttentionMonitor
 from attn_callbacks.capture.hooks import AttentionCapture, find_attention_modules
-from attn_callbacks.cuda_graphs import graph_status
 
 WARM_UP_EPOCHS = 3
 # name -> (vocabulary, d_model, heads, layers, feed-forward, batch, length, tracked ids)
 PRESETS = {
     "stress": (VOCAB, D_MODEL, HEADS, LAYERS, FEEDFORWARD, BATCH, LENGTH, 2048),
     "bert-base": (30522, 768, 12, 12, 3072, BATCH, LENGTH, 1024),
+    "tiny": (64, 32, 2, 1, 64, 4, 16, 32),
 }
 
 
@@ -192,8 +194,6 @@ def main() -> None:
                 print(f"{model_name:8} {config:24} {figure:16} {summary(values):>24}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak resident memory of the process: {peak:.0f} MiB")
-    if torch.cuda.is_available():
-        print(graph_status())
 
 
 if __name__ == "__main__":

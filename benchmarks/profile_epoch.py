@@ -2,12 +2,17 @@
 one of the floor, and the difference per op (on a GPU: per kernel, by device time).
 
     python benchmarks/profile_epoch.py [--preset bert-base] [--model heavy] [--batches 16] [--mean-of-heads]
+        [--rows 25]
 
 ``benchmarks/scaling.py --profile`` profiles one accumulation step alone; this profiles it where it runs, beside the
 model: on a GPU the model keeps the device busy, and what a monitored batch pays is the device time of the monitor's
 kernels in between the model's. The ranges ``attn_callbacks.add`` (every accumulation call, from the hook) and
-``attn_callbacks.epoch_end`` are marked here, by wrapping the callback's methods in this script only. Run it with
-``ATTN_CALLBACKS_CUDA_GRAPHS=0`` to see the step's own kernels (a replayed graph shows as one launch).
+``attn_callbacks.epoch_end`` are marked here, by wrapping the callback's methods in this script only.
+
+Printed: the wall seconds of the floor epoch and of the monitored one, the host milliseconds inside each marked range
+(on a GPU also the device milliseconds launched from it), the total time of all ops of either epoch, then the
+``--rows`` ops the monitored epoch spends the most time on over the floor's, with their calls. ``--preset`` takes the
+shapes of ``overhead.py``'s presets (``tiny`` for a smoke run: ``--preset tiny --batches 1 --rows 5``).
 """
 
 from __future__ import annotations

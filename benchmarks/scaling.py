@@ -1,20 +1,21 @@
 """Time of one accumulation step (one attention module, one batch) as B, L, H and the vocabulary vary.
 
-    python benchmarks/scaling.py [--profile]
+    python benchmarks/scaling.py [--profile] [--quick]
 
 Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast path the callback runs: the numba kernel
 on CPU, where numba runs; the torch code on a CUDA device, where there is one) on softmax weights with Zipf(1) token
 ids, median of 5 after a warm-up. ``ns/weight`` divides by the B·H·L² weights read: flat down a column means the cost is
-linear in B·H·L²; flat across the vocabulary block means V only costs memory. A last section times the numba kernel
-against the torch code (:func:`attn_callbacks.sums.step.accumulate_attention_torch`, with its pair index) at the base
-shape, on CPU, or on a GPU the step replayed as a CUDA graph against the same step op by op; ``--profile`` prints
-torch.profiler's table of a step (on a GPU: the time of each kernel).
+linear in B·H·L²; flat across the vocabulary block means V only costs memory. A last section times, on CPU, the numba
+kernel against the torch code (:func:`attn_callbacks.sums.step.accumulate_attention_torch`, with its pair index) at the
+base shape, or on a GPU the step at the base shape and BERT-base's, its wall time against its host time, with and
+without the ``(<other>, <other>)`` cell summed apart; ``--profile`` prints torch.profiler's table of a step (on a GPU:
+the time of each kernel). ``--quick`` runs the base row, the ``per_head=False`` row and the last section at a small
+base shape (B 4, L 32, H 2, V 257) only: a smoke run of a few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import time
@@ -24,10 +25,11 @@ import torch
 
 from _workload import best_of, device_label
 from attn_callbacks import functional as F
-from attn_callbacks.cuda_graphs import GRAPH_SWITCH, graph_status
-from attn_callbacks.sums.step import accumulate_attention_torch, uses_numba
+from attn_callbacks.base.numba_loader import uses_numba
+from attn_callbacks.sums.step import accumulate_attention_torch
 
 BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
+QUICK_BASE = {"B": 4, "L": 32, "H": 2, "V": 257}  # --quick
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the callback's sums live on the model's device
 
 
@@ -70,7 +72,7 @@ def make_step(
             accumulate_attention_torch(*state, weights, pairs, ids, valid, valid)
         elif path == "numba" or uses_numba(weights.device):  # as EpochSums.add: the numba kernel reads the ids
             F.accumulate_attention(*state, weights, None, ids, valid, valid, key_ids=ids)
-        else:  # a CUDA graph of the step makes its own pair index; op by op, the step takes this one
+        else:  # off the CPU the step reads the pair index, made once per batch and shared by the modules
             pairs = F.pair_index(ids, ids, valid, valid, vocab, vocab)
             F.accumulate_attention(*state, weights, pairs, ids, valid, valid, key_ids=ids, hot_cell=hot_cell)
 
@@ -82,31 +84,31 @@ def step_seconds(*args, **kwargs) -> float:
     return best_of(make_step(*args, **kwargs))
 
 
-def profile_step(steps: int = 10) -> None:
+def profile_step(base: dict[str, int], steps: int = 10) -> None:
     """torch.profiler's table of one step's operations at the base shape and at BERT-base's (12 heads, Zipf ids over
     30,522 tracked to 1,025), by their time on the device: on a GPU, which kernels the time goes to."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    for name, (heads, vocab, full) in {"base": (BASE["H"], BASE["V"], None), "bert-base": (12, 1025, 30522)}.items():
-        step = make_step(BASE["B"], BASE["L"], heads, vocab, full_vocab=full)
+    for name, (heads, vocab, full) in {"base": (base["H"], base["V"], None), "bert-base": (12, 1025, 30522)}.items():
+        step = make_step(base["B"], base["L"], heads, vocab, full_vocab=full)
         step()
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 step()
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
-        print(f"\n{name}: B={BASE['B']} L={BASE['L']} H={heads} V={vocab}, {steps} steps")
+        print(f"\n{name}: B={base['B']} L={base['L']} H={heads} V={vocab}, {steps} steps")
         sort = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 
-def compare_paths() -> None:
+def compare_paths(base: dict[str, int]) -> None:
     """The numba kernel against the torch code at the base shape, per call."""
     if not uses_numba("cpu"):
         print("numba vs torch: numba is not running (not installed, or ATTN_CALLBACKS_NUMBA=0)")
         return
-    b, length, h, v = BASE["B"], BASE["L"], BASE["H"], BASE["V"]
+    b, length, h, v = base["B"], base["L"], base["H"], base["V"]
     print(f"\nnumba vs torch at B={b} L={length} H={h} V={v}, cpu ({torch.get_num_threads()} threads), ms per call")
     print(f"{'ids':8} {'sums':9} {'numba':>8} {'torch':>8} {'torch/numba':>12}")
     for distribution in ("zipf", "uniform"):
@@ -119,56 +121,55 @@ def compare_paths() -> None:
             print(f"{distribution:8} {sums:9} {ms['numba']:8.1f} {ms['torch']:8.1f} {ms['torch'] / ms['numba']:11.1f}x")
 
 
-def compare_graphs(steps: int = 20, rounds: int = 5) -> None:
-    """On a GPU: the step replayed as a CUDA graph against the same step op by op, at the base shape and BERT-base's,
-    interleaved round by round. ``wall`` waits for the device after each step (the step's latency); ``host`` is the
-    time the Python thread spends issuing a step when it does not wait: what a model's own launches wait for. At
-    BERT-base's shapes the ids are Zipf over 30,522 tracked to 1,025, as in ``overhead.py --preset bert-base``; the
-    row ``not apart`` scatters the ``(<other>, <other>)`` cell with the rest instead of summing it apart."""
+def gpu_step(base: dict[str, int], steps: int = 20, rounds: int = 5) -> None:
+    """On a GPU: the step at the base shape and BERT-base's, median of ``rounds`` rounds. ``wall`` waits for the
+    device after each step (the step's latency); ``host`` is the time the Python thread spends issuing a step when it
+    does not wait: what a model's own launches wait for. At BERT-base's shapes the ids are Zipf over 30,522 tracked to
+    1,025, as in ``overhead.py --preset bert-base``; the row ``not apart`` scatters the ``(<other>, <other>)`` cell
+    with the rest instead of summing it apart."""
     bert = (12, 1025, 30522)
     shapes = {
-        "base": (BASE["H"], BASE["V"], None, False, True),
+        "base": (base["H"], base["V"], None, False, True),
         "bert-base": (*bert, False, True),
         "bert-base mean": (*bert, True, True),
         "not apart": (*bert, False, False),
     }
-    print(f"\nCUDA graph vs op by op, B={BASE['B']} L={BASE['L']}, ms per step, median of {rounds} rounds")
-    print(f"{'shape':15} {'wall graph':>11} {'host graph':>11} {'wall ops':>9} {'host ops':>9}")
+    print(f"\nthe step on the GPU, B={base['B']} L={base['L']}, ms per step, median of {rounds} rounds")
+    print(f"{'shape':15} {'wall':>8} {'host':>8}")
     for name, (heads, vocab, full, mean_of_heads, apart) in shapes.items():
         ms: dict[str, list[float]] = {}
         for _ in range(rounds):
-            for mode in ("graph", "ops"):
-                os.environ[GRAPH_SWITCH] = "1" if mode == "graph" else "0"
-                step = make_step(BASE["B"], BASE["L"], heads, vocab, mean_of_heads, full_vocab=full, apart=apart)
+            step = make_step(base["B"], base["L"], heads, vocab, mean_of_heads, full_vocab=full, apart=apart)
+            ms.setdefault("wall", []).append(best_of(step) * 1e3)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
                 step()
-                ms.setdefault(f"wall {mode}", []).append(best_of(step) * 1e3)  # its warm-up captures the graph
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                ms.setdefault(f"host {mode}", []).append((time.perf_counter() - start) / steps * 1e3)
-                torch.cuda.synchronize()
-        os.environ.pop(GRAPH_SWITCH)
-        row = " ".join(f"{statistics.median(ms[k]):{len(k) + 1}.3f}" for k in ms)
-        print(f"{name:15} {row}")
-    print(graph_status())
+            ms.setdefault("host", []).append((time.perf_counter() - start) / steps * 1e3)
+            torch.cuda.synchronize()
+        print(f"{name:15} {statistics.median(ms['wall']):8.3f} {statistics.median(ms['host']):8.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one step")
+    parser.add_argument(
+        "--quick", action="store_true", help="the base rows and the last section at a small base shape only"
+    )
     args = parser.parse_args()
+    base = QUICK_BASE if args.quick else BASE
     print(
         f"accumulate_attention, one module and batch; torch {torch.__version__}, "
         f"{device_label()}, "
         f"{platform.processor() or platform.machine()}"
     )
     print(f"{'varied':7} {'B':>4} {'L':>5} {'H':>4} {'V':>6} {'B·H·L² (M)':>11} {'ms':>8} {'ns/weight':>10}")
-    rows = [("base", dict(BASE))]
-    rows += [("B", {**BASE, "B": b}) for b in (8, 16, 64)]
-    rows += [("L", {**BASE, "L": n}) for n in (32, 64, 256)]
-    rows += [("H", {**BASE, "H": h}) for h in (2, 4, 16)]
-    rows += [("V", {**BASE, "V": v}) for v in (256, 1024, 4096, 8000)]
+    rows = [("base", dict(base))]
+    if not args.quick:
+        rows += [("B", {**base, "B": b}) for b in (8, 16, 64)]
+        rows += [("L", {**base, "L": n}) for n in (32, 64, 256)]
+        rows += [("H", {**base, "H": h}) for h in (2, 4, 16)]
+        rows += [("V", {**base, "V": v}) for v in (256, 1024, 4096, 8000)]
     for varied, c in rows:
         seconds = step_seconds(c["B"], c["L"], c["H"], c["V"])
         weights = c["B"] * c["H"] * c["L"] ** 2
@@ -176,18 +177,18 @@ def main() -> None:
             f"{varied:7} {c['B']:4} {c['L']:5} {c['H']:4} {c['V']:6} {weights / 1e6:11.1f} {seconds * 1e3:8.1f} "
             f"{seconds / weights * 1e9:10.2f}"
         )
-    seconds = step_seconds(BASE["B"], BASE["L"], BASE["H"], BASE["V"], mean_of_heads=True)
-    weights = BASE["B"] * BASE["H"] * BASE["L"] ** 2
+    seconds = step_seconds(base["B"], base["L"], base["H"], base["V"], mean_of_heads=True)
+    weights = base["B"] * base["H"] * base["L"] ** 2
     print(
         f"{'per_head=False (head-mean sums only)':37} {weights / 1e6:11.1f} {seconds * 1e3:8.1f} "
         f"{seconds / weights * 1e9:10.2f}"
     )
     if DEVICE == "cpu":
-        compare_paths()
+        compare_paths(base)
     else:
-        compare_graphs()
+        gpu_step(base)
     if args.profile:
-        profile_step()
+        profile_step(base)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ pairs ignored (padding) sent to one cell or spread by position as :func:`attn_ca
 last, what the torch step does with the Zipf ids: that cell's pairs summed apart (a masked sum per channel, then the
 pairs zeroed and sent to their position's cell), everything included.
 
-    python benchmarks/scatter.py
+    python benchmarks/scatter.py [--repeats 50]
 
-Medians of 50 CUDA-event timed calls; on a CPU it runs the same ops (no atomics there: the numbers mean little).
+Printed: the share of the pairs in that cell, then per way of indexing the milliseconds of one call and their ratio to
+the uniform ids' (``/ uniform``). Medians of ``--repeats`` (50) CUDA-event timed calls after 5 untimed ones; on a CPU
+it runs the same ops (no atomics there: the numbers mean little).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +54,11 @@ def milliseconds(fn: Callable[[], object], device: torch.device, repeats: int = 
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=50, help="timed calls per figure, after 5 untimed (default 50)")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected a positive integer, got {args.repeats}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator().manual_seed(0)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -75,10 +83,10 @@ def main() -> None:
     print(f"pairs in the (<other>, <other>) cell: {share:.1%}\n")
     sums = torch.zeros(CHANNELS, cells, device=device)
     values = torch.rand(CHANNELS, pairs, generator=generator).to(device)
-    base = milliseconds(lambda: sums.index_add_(1, uniform, values), device)
+    base = milliseconds(lambda: sums.index_add_(1, uniform, values), device, args.repeats)
     print(f"{'pair indices':34} {'ms':>7} {'/ uniform':>10}")
     for label, index in indices.items():
-        ms = milliseconds(lambda index=index: sums.index_add_(1, index, values), device)
+        ms = milliseconds(lambda index=index: sums.index_add_(1, index, values), device, args.repeats)
         print(f"{label:34} {ms:7.3f} {ms / base:10.2f}")
     hot_pairs = zipf == hot
     apart_index = torch.where(hot_pairs, position, zipf)
@@ -90,7 +98,7 @@ def main() -> None:
         values.masked_fill_(hot_pairs, 0.0)
         sums.index_add_(1, apart_index, values)
 
-    ms = milliseconds(apart, device)
+    ms = milliseconds(apart, device, args.repeats)
     print(f"{'Zipf, (<other>, <other>) apart':34} {ms:7.3f} {ms / base:10.2f}")
 
 

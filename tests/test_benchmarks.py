@@ -1,0 +1,288 @@
+"""The benchmark scripts run against the current package: each answers ``--help`` with its options, a smoke run of each
+at its cheapest settings prints the figures it promises (finite, positive where they must be), and
+``benchmarks/gpu_checks.sh`` parses, names test files that exist and covers every test file that can use a GPU."""
+
+import glob
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+GPU_CHECKS = BENCHMARKS / "gpu_checks.sh"
+SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py") if path.name != "_workload.py")
+TIMEOUT = 300  # seconds per subprocess; each smoke run takes ~10-30 s on 2 busy cores, most of it importing Lightning
+
+# Runs every script given with --help in this one interpreter (importing torch and Lightning once, not once per
+# script), and prints a JSON line {script: [exit code, stdout]} after a marker.
+HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+results = {}
+for path in sys.argv[1:]:
+    out, code = io.StringIO(), 0
+    sys.argv = [path, "--help"]
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exit:
+            code = 0 if exit.code is None else exit.code
+    results[path] = [code, out.getvalue()]
+print("@@help@@" + json.dumps(results))
+"""
+
+
+def environment() -> dict[str, str]:
+    """The scripts' environment: the package and ``benchmarks/`` (``_workload``, ``overhead``) importable."""
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), str(BENCHMARKS), env.get("PYTHONPATH"))))
+    return env
+
+
+def run_script(name: str, *args: str) -> str:
+    """``python benchmarks/<name> <args>`` from the repository root; its stdout, after asserting exit status 0."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        cwd=ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, f"{name} {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def options_of(name: str) -> list[str]:
+    """The long options a script's argparse parser declares, read from its source."""
+    return re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", (BENCHMARKS / name).read_text())
+
+
+def number(text: str) -> float:
+    value = float(text)
+    assert math.isfinite(value), text
+    return value
+
+
+def positive(text: str) -> float:
+    value = number(text)
+    assert value > 0, text
+    return value
+
+
+@pytest.fixture(scope="module")
+def help_texts() -> dict[str, tuple[int, str]]:
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_RUNNER, *(str(BENCHMARKS / name) for name in SCRIPTS)],
+        cwd=ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    line = next(line for line in done.stdout.splitlines() if line.startswith("@@help@@"))
+    return {Path(path).name: tuple(result) for path, result in json.loads(line[len("@@help@@") :]).items()}
+
+
+def test_benchmark_scripts_are_found():
+    assert {"memory.py", "overhead.py", "profile_epoch.py", "scaling.py", "scatter.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_benchmark_script_help_exits_0_and_names_its_options(name, help_texts):
+    code, text = help_texts[name]
+    assert code == 0, f"{name} --help exited {code}:\n{text}"
+    assert text.startswith(f"usage: {name}"), text
+    options = options_of(name)
+    assert options, f"{name} declares no option"
+    for option in options:
+        assert option in text, f"{name} --help does not name {option}:\n{text}"
+
+
+def check_memory(out: str) -> None:
+    """Every row: planned bytes; where measured (here the rows up to 64 MiB), the allocation equals the plan."""
+    rows = re.findall(r"^\s*(\d+) (.+?)\s+([\d.]+ (?:B|KiB|MiB|GiB|TiB))\s+(\S+(?: \S+)?)\s+(fits|refused)$", out, re.M)
+    assert len(rows) == 6, out  # 2 vocabularies x 3 configurations
+    measured = [(planned, allocated) for _, _, planned, allocated, _ in rows if allocated != "-"]
+    assert measured, out
+    for planned, allocated in measured:
+        assert planned == allocated, out
+    for _, _, planned, _, verdict in rows:
+        value, unit = planned.split()
+        bytes_ = positive(value) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(unit)
+        assert verdict == ("fits" if bytes_ <= 1 << 30 else "refused"), out
+
+
+OVERHEAD_FIGURES = {
+    "floor": {"floor / none"},
+    "monitor": {
+        "steady / floor",
+        "cold / none",
+        "epoch end s",
+        "steady / none",
+        "batches / none",
+        "monitor s",
+        "none s",
+    },
+}
+
+
+def check_overhead(out: str) -> None:
+    """Every promised figure of the floor and the per-head monitor: min <= median <= max; all but ``monitor s`` (a
+    difference of two epochs' seconds) positive."""
+    figures: dict[str, set[str]] = {}
+    for line in out.splitlines():
+        found = re.fullmatch(r"stress\s+(.{24}) (.{16})\s+(\S+) / (\S+) / (\S+)", line)
+        if found:
+            config, figure = found[1].strip(), found[2].strip()
+            low, median, high = (number(value) for value in found.group(3, 4, 5))
+            assert low <= median <= high, line
+            if figure != "monitor s":
+                assert low > 0, line
+            figures.setdefault(config, set()).add(figure)
+    assert figures == OVERHEAD_FIGURES, out
+    positive(re.search(r"peak resident memory of the process: (\S+) MiB", out)[1])
+
+
+def check_profile_epoch(out: str) -> None:
+    """Both epochs' seconds, both marked ranges' host milliseconds, the ops' totals, and the listed ops."""
+    for name in ("floor", "monitor"):
+        positive(re.search(rf"^{name}: (\S+) s wall$", out, re.M)[1])
+    for label in ("attn_callbacks.add", "attn_callbacks.epoch_end"):
+        positive(re.search(rf"^{re.escape(label)}: (\S+) ms of host time", out, re.M)[1])
+    totals = re.search(r"time of all ops: floor (\S+) ms, monitor (\S+) ms", out)
+    for total in totals.groups():
+        positive(total)
+    listed = out.split("ms more with the monitor", 1)[1].splitlines()[1:]
+    rows = [line for line in listed if re.match(r"\s+-?[\d.]+\s+\d+  \S", line)]
+    assert 1 <= len(rows) <= 5, out
+
+
+def check_scaling(out: str) -> None:
+    """The base row and the ``per_head=False`` row: milliseconds and ns/weight; on CPU with numba, its comparison."""
+    base = re.search(r"^base\s+4\s+32\s+2\s+257\s+\S+\s+(\S+)\s+(\S+)$", out, re.M)
+    assert base, out
+    for value in base.groups():
+        positive(value)
+    mean = re.search(r"^per_head=False \(head-mean sums only\)\s+\S+\s+(\S+)\s+(\S+)$", out, re.M)
+    assert mean, out
+    for value in mean.groups():
+        positive(value)
+    if "numba vs torch at" in out:
+        ratios = re.findall(r"^(?:zipf|uniform)\s+(?:per head|mean)\s+(\S+)\s+(\S+)\s+(\S+)x$", out, re.M)
+        assert len(ratios) == 4, out
+        for row in ratios:
+            for value in row:
+                positive(value)
+    elif "the step on the GPU" in out:
+        assert len(re.findall(r"^(?:base|bert-base|bert-base mean|not apart)\s+\S+\s+\S+$", out, re.M)) == 4, out
+    else:
+        assert "numba is not running" in out, out
+
+
+def check_scatter(out: str) -> None:
+    """The hot cell's share of the pairs, and each way of indexing: milliseconds and the ratio to uniform ids."""
+    share = positive(re.search(r"pairs in the \(<other>, <other>\) cell: (\S+)%", out)[1])
+    assert share < 100, out
+    rows = re.findall(r"^((?:Zipf|uniform).*?)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert len(rows) == 6, out
+    for _, ms, ratio in rows:
+        positive(ms)
+        positive(ratio)
+
+
+TWIN_ROWS = 10  # the step (per head, mean), summarize, 5 of the tables, png_bytes of 2 canvases
+
+
+def check_twins(out: str) -> None:
+    """Every twin's row: torch and numba ms (min <= median, positive), the ratios of the medians and of the minima, and
+    the verdict the first implies; or, without numba, the line saying so."""
+    if "numba is not running" in out:
+        return
+    rows = re.findall(r"^(.+?)\s+(\S+) / (\S+)\s+(\S+) / (\S+)\s+(\S+)x\s+(\S+)x  (keep|drop)$", out, re.M)
+    assert len(rows) == TWIN_ROWS, out
+    for _, *values, ratio, of_mins, verdict in rows:
+        torch_min, torch_median, numba_min, numba_median = (positive(value) for value in values)
+        assert torch_min <= torch_median and numba_min <= numba_median, out
+        positive(of_mins)
+        assert verdict == ("keep" if positive(ratio) >= 1.5 else "drop"), out
+    positive(re.search(r"load average \(1, 5, 15 min\): (\S+)", out)[1])
+
+
+# script -> (its cheapest arguments, the check of its output)
+SMOKE_RUNS = {
+    "memory.py": (["--vocabs", "1000,8000", "--measure-up-to", "64MiB"], check_memory),
+    "overhead.py": (
+        ["--preset", "tiny", "--batches", "2", "--rounds", "1", "--models", "stress", "--configs", "per-head"],
+        check_overhead,
+    ),
+    "profile_epoch.py": (
+        ["--preset", "tiny", "--model", "heavy", "--batches", "1", "--rows", "5"],
+        check_profile_epoch,
+    ),
+    "scaling.py": (["--quick"], check_scaling),
+    "scatter.py": (["--repeats", "3"], check_scatter),
+    "twins.py": (["--quick", "--rounds", "1"], check_twins),
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_benchmark_script_smoke_run_prints_its_figures(name):
+    assert name in SMOKE_RUNS, f"benchmarks/{name} has no smoke run in SMOKE_RUNS: give it its cheapest arguments"
+    args, check = SMOKE_RUNS[name]
+    check(run_script(name, *args))
+
+
+def gpu_check_commands() -> list[str]:
+    """The lines of gpu_checks.sh without its comments, continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", GPU_CHECKS.read_text())
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_gpu_checks_script_parses():
+    done = subprocess.run(["bash", "-n", str(GPU_CHECKS)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+def gpu_check_test_files() -> set[str]:
+    """The test files gpu_checks.sh runs, its globs expanded (each must match a file)."""
+    named = {word for line in gpu_check_commands() for word in shlex.split(line) if word.startswith("tests/")}
+    assert named, "gpu_checks.sh runs no test file"
+    files = set()
+    for pattern in named:
+        matches = glob.glob(pattern, root_dir=ROOT)
+        assert matches, f"gpu_checks.sh names {pattern}, which is not in tests/"
+        files.update(matches)
+    return files
+
+
+def test_gpu_checks_test_files_exist_and_cover_every_gpu_test_file():
+    files = gpu_check_test_files()
+    for path in files:
+        assert (ROOT / path).is_file(), path
+    # a test file that can run on a CUDA device: it names cuda, or the end-to-end tests' accelerator (this file only
+    # names them in its patterns)
+    uses_gpu = {
+        f"tests/{path.name}"
+        for path in (ROOT / "tests").glob("test_*.py")
+        if path.name != Path(__file__).name and re.search(r"cuda|\bACCELERATOR\b", path.read_text())
+    }
+    assert uses_gpu - files == set(), "gpu_checks.sh misses test files that run on a GPU"
+
+
+def test_gpu_checks_benchmark_runs_use_existing_scripts_and_options():
+    runs = [
+        found for line in gpu_check_commands() for found in re.findall(r"python3 benchmarks/(\w+\.py)([^;|]*)", line)
+    ]
+    assert {name for name, _ in runs} == {"scaling.py", "overhead.py", "profile_epoch.py", "scatter.py"}, runs
+    for name, args in runs:
+        assert name in SCRIPTS, name
+        for option in re.findall(r"--[\w-]+", args):
+            assert option in options_of(name), f"gpu_checks.sh passes {option} to {name}, which has no such option"
