@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from attn_callbacks.base.files import write_atomically
 from attn_callbacks.sums.accumulator import SUM_FIELDS, AttentionStats
 from attn_callbacks.sums.step import POSITION_STATS
 
@@ -198,18 +198,6 @@ def save_epoch(
 def _to_numpy(tensor: Tensor) -> np.ndarray:
     # numpy has no bfloat16; float32 holds every bfloat16 exactly, and the recorded dtype casts it back on load.
     return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
-
-
-def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            write(file)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 # -------------------------------------------------------------------------------------------------------- loading

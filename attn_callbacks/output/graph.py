@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from attn_callbacks.base.files import write_atomically
 from attn_callbacks.metrics.summary import in_degree
 from attn_callbacks.metrics.tables import pagerank
-from attn_callbacks.output.export import write_atomically
 from attn_callbacks.sums.accumulator import AttentionStats
 
 __all__ = ["export_graph"]
