@@ -6,9 +6,11 @@ Usage::
     python -m attn_callbacks graph EPOCH_FILE MODULE OUT.graphml [--head H] [--min-weight W]
 
 ``OLD``, ``NEW`` and ``EPOCH_FILE`` are ``.pt`` or ``.npz`` files written by :func:`attn_callbacks.save_epoch` (the
-callback's ``export=`` option). Exit status: 0 on success, 2 on bad input (a missing or unreadable file, a module
-that is not in the file, modules whose shapes differ), 1 when networkx is missing for ``graph`` or when the reader of
-the output went away (``... | head``), quietly.
+callback's ``export=`` option). ``compare`` compares modules token by token: both files must give their tokens the same
+labels (a file without labels is compared by token id, with a warning). Exit status: 0 on success, 2 on bad input (a
+missing or unreadable file, a module that is not in the file, modules whose shapes or labels differ, an ``OUT`` that
+cannot be written), 1 when networkx is missing for ``graph`` or when the reader of the output went away
+(``... | head``), quietly.
 """
 
 from __future__ import annotations
@@ -16,17 +18,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import itertools
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 from attn_callbacks.base.labels import label_tokens
 from attn_callbacks.metrics.drift import Snapshot, moved_tokens
 from attn_callbacks.metrics.summary import drift_between
-from attn_callbacks.output.export import EpochRecord, load_epoch
+from attn_callbacks.output.export import EpochRecord, load_epoch, not_a_folder
 
 __all__ = ["main"]
+
+
+_PROG = "python -m attn_callbacks"
 
 
 class _InputError(Exception):
@@ -57,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as command-line tools do
         _drop_stdout()
         return 1
-    except (_InputError, FileNotFoundError, ValueError) as error:
+    except (_InputError, OSError, ValueError) as error:  # OSError: a file that cannot be read or written
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return 2
     except ImportError as error:
@@ -73,7 +80,7 @@ def _drop_stdout() -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m attn_callbacks",
+        prog=_PROG,
         description="Inspect attention epochs saved by attn_callbacks (AttentionMonitor(export='pt' or 'npz')).",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -156,6 +163,7 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
                 f"module {name!r} has (heads, query vocab, key vocab) {old_shape} in OLD but {new_shape} in NEW: "
                 "not comparable (leave it out with --modules)"
             )
+        _check_labels(name, old, new, args)
 
     print(f"OLD: {args.old}  (epoch {old.epoch}, step {old.global_step})", file=out)
     print(f"NEW: {args.new}  (epoch {new.epoch}, step {new.global_step})", file=out)
@@ -213,6 +221,37 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _check_labels(name: str, old: EpochRecord, new: EpochRecord, args: argparse.Namespace) -> None:
+    """Row a and column b mean the same tokens in both files, or the comparison is refused: the same shape is not the
+    same vocabulary (another tokenizer, other tracked ids)."""
+    (old_query, old_key), (new_query, new_key) = _labels(old, name), _labels(new, name)
+    for axis, old_labels, new_labels in (("query", old_query, new_query), ("key", old_key, new_key)):
+        if old_labels is None or new_labels is None:
+            if old_labels is not new_labels:
+                which = "OLD" if old_labels is None else "NEW"
+                print(
+                    f"{_PROG} compare: warning: module {name!r}: {which} has no {axis} token labels, so {axis} tokens "
+                    "are compared by id, unchecked",
+                    file=sys.stderr,
+                )
+            continue
+        pairs = enumerate(itertools.zip_longest(old_labels, new_labels))  # equal lengths, unless a file is damaged
+        differing = next(((a, x, y) for a, (x, y) in pairs if x != y), None)
+        if differing is not None:
+            token, old_label, new_label = differing
+            raise _InputError(
+                f"module {name!r}: {axis} token {token} is {_cut(old_label)} in OLD ({args.old}) but "
+                f"{_cut(new_label)} in NEW ({args.new}): the files count different tokens, not comparable "
+                "(leave it out with --modules)"
+            )
+
+
+def _cut(label: str | None, limit: int = 40) -> str:
+    if label is None:
+        return "missing"
+    return repr(label) if len(label) <= limit else repr(label[: limit - 1] + "…")
+
+
 def _labels(record: EpochRecord, module: str) -> tuple[list[str] | None, list[str] | None]:
     query_stream, key_stream = record.streams[module]
     return record.labels.get(query_stream), record.labels.get(key_stream)
@@ -246,6 +285,14 @@ def _print_table(
 
 # ---------------------------------------------------------------------------------------------------------- graph
 def _graph(args: argparse.Namespace, out: TextIO) -> int:
+    target = Path(args.out)
+    if target.is_dir():
+        raise _InputError(f"OUT.graphml {args.out!r} is a folder: give the file to write")
+    blocking = not_a_folder(target.parent)
+    if blocking is not None:
+        raise _InputError(f"OUT.graphml {args.out!r} cannot be written: {str(blocking)!r} is a file, not a folder")
+    if target.exists() and Path(args.epoch_file).exists() and target.samefile(args.epoch_file):
+        raise _InputError(f"OUT.graphml {args.out!r} is EPOCH_FILE: writing the graph would replace the export")
     record = load_epoch(args.epoch_file)
     if args.module not in record.modules:
         raise _InputError(

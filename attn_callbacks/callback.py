@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from attn_callbacks.capture.hooks import AttentionCapture, find_attention_modules, output_indices
 from attn_callbacks.options import MonitorOptions
-from attn_callbacks.output.writer import export_epoch
+from attn_callbacks.output.export import discard, export_directory, export_epoch
 
 __all__ = ["AttentionMonitor"]
 
@@ -56,9 +56,27 @@ class AttentionMonitor(MonitorOptions, Callback):
             for name in kept_calls:
                 self._streams.wire_call(name, self._sites.base(name), self.attention_streams)
             self._streams.check_sinks()
+            if self.export is not None:
+                export_directory(trainer, self.export_dir)  # a file in the way fails now, not after an epoch
         except ValueError as err:
             raise MisconfigurationException(f"AttentionMonitor: {err}") from err
+        self._check_prefixes(trainer)
         self._sums.check_budget(self._shapes(), loaders=1)  # fails before training; again with the real loaders
+
+    @override
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._check_budget(trainer)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._check_budget(trainer)
+        last = trainer.max_epochs
+        if self.drift_reference_epoch is not None and last is not None and 0 <= last <= self.drift_reference_epoch:
+            self._report.warn_once(
+                "reference_epoch",
+                f"AttentionMonitor: argument `drift_reference_epoch`={self.drift_reference_epoch} is not an epoch of "
+                f"this fit (max_epochs={last}), so no epoch becomes the reference and no `drift/..._ref` is logged.",
+            )
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -117,15 +135,23 @@ class AttentionMonitor(MonitorOptions, Callback):
                 self._streams.wire_call(name, self._sites.base(name), self.attention_streams)
                 self._sites.heads[name], self._sites.devices[name] = heads, pl_module.device
         per_loader, merged = self._sums.collect()  # a collective under DDP
-        if not any(int(stats.query_count.sum()) for stats in merged.values()):
+        # A module whose every row was dropped (NaN weights) still reports its skipped rows, and warns.
+        if not any(int(stats.query_count.sum()) or int(stats.skipped_rows) for stats in merged.values()):
             self._report.warn_nothing_seen(self._monitored_batches, len(silent) < len(self._sites.modules))
         else:
-            if drift_epoch and self.export is not None:  # first: the epoch end computes P where S lies
-                export_epoch(trainer, merged, self._streams, self.export, self.export_dir)
-            derived = self._report.epoch(trainer, per_loader, merged, self._stage_prefix, drift_epoch)
-            if drift_epoch:
-                masses = {name: (s.attention_mass, s.query_count, derived.get(name, {})) for name, s in merged.items()}
-                self._drift.remember(trainer.current_epoch, masses)
+            exported = None
+            try:
+                if drift_epoch and self.export is not None:  # first: the epoch end computes P where S lies
+                    exported = export_epoch(
+                        trainer, merged, self._streams, self.export, self.export_dir, self._stage_prefix
+                    )
+                derived = self._report.epoch(trainer, per_loader, merged, self._stage_prefix, drift_epoch)
+                if drift_epoch:
+                    masses = {n: (s.attention_mass, s.query_count, derived.get(n, {})) for n, s in merged.items()}
+                    self._drift.remember(trainer.current_epoch, masses)
+            except BaseException:
+                discard(exported)  # a failed epoch leaves no export
+                raise
         self._reset_sums()
 
     # A monitored test epoch runs as a validation epoch does, under its own tags.
@@ -153,6 +179,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             "validation_epochs": self._schedule.validation_epochs,
             "probe_ids": self._probe.ids,
             "tracked_ids": dict(self._streams.tracked),
+            "track_limits": dict(self._streams.track_limit),
             **self._report.state_dict(),
         }
 
@@ -165,8 +192,58 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._drift.load_state_dict(state_dict)
         self._schedule.validation_epochs = state_dict.get("validation_epochs")
         self._probe.ids = state_dict["probe_ids"]
-        self._streams.load_tracked(state_dict.get("tracked_ids") or {})
+        self._load_tracked(state_dict.get("tracked_ids") or {}, state_dict.get("track_limits"))
         self._report.load_state_dict(state_dict)
+
+    def _load_tracked(self, tracked: dict[str, Tensor], limits: dict[str, int] | None) -> None:
+        """The checkpoint's tracked ids win (epochs stay comparable), but never silently over other arguments
+        (``limits``: the checkpointed monitor's ``max_tracked_tokens``, None from a checkpoint without them)."""
+        streams = self._streams
+        for stream, ids in tracked.items():
+            vocab, limit = streams.vocab.get(stream), streams.track_limit.get(stream)
+            given = streams.tracked.get(stream)
+            if vocab is None or (len(ids) and int(ids.max()) >= vocab):
+                held = f"stream {stream!r} with ids up to {int(ids.max()) if len(ids) else '-'}"
+                what = f"has no such stream ({streams.names})" if vocab is None else f"has `vocab_size`={vocab}"
+                raise ValueError(
+                    f"AttentionMonitor: the checkpoint tracks {held}, but this monitor {what}: resume with the "
+                    "streams and vocabulary the checkpoint was written with."
+                )
+            if given is not None and not torch.equal(given, ids):
+                changed = f"`tracked_ids` ({len(given)} ids)"
+            elif given is None and (
+                limit is None or len(ids) > limit or (limits is not None and limits.get(stream) != limit)
+            ):
+                changed = "no tracking" if limit is None else f"`max_tracked_tokens`={limit}"
+            else:
+                continue
+            self._report.warn_once(
+                f"tracked:{stream}",
+                f"AttentionMonitor: the checkpoint tracks {len(ids)} ids of stream {stream!r}; they are kept, so that "
+                f"epochs stay comparable, and this monitor's {changed} is not used.",
+            )
+        streams.load_tracked(tracked)
+
+    def _check_budget(self, trainer: Trainer) -> None:
+        """Each validation dataloader holds sums of its own: with several, check the budget as soon as they are known
+        (before the sanity pass and before training), not at the first monitored epoch, after a training epoch."""
+        loaders = len(trainer.num_val_batches or [])
+        if self._capture is not None and loaders > 1:
+            self._sums.check_budget(self._shapes(), loaders=loaders)
+
+    def _check_prefixes(self, trainer: Trainer) -> None:
+        """Refuse two monitors of one Trainer that would write the same tags (a test epoch's are ``{prefix}_test``)."""
+        mine = {self.prefix, f"{self.prefix}_test"} if self.monitor_test else {self.prefix}
+        for other in trainer.callbacks:
+            if other is self or not isinstance(other, AttentionMonitor):
+                continue
+            theirs = {other.prefix, f"{other.prefix}_test"} if other.monitor_test else {other.prefix}
+            if mine & theirs:
+                raise MisconfigurationException(
+                    f"AttentionMonitor: two monitors of this Trainer would both write the tags of prefix "
+                    f"{sorted(mine & theirs)[0]!r} (prefix={self.prefix!r}, monitor_test={self.monitor_test} and "
+                    f"prefix={other.prefix!r}, monitor_test={other.monitor_test}); give them other `prefix` values."
+                )
 
     def _shapes(self) -> dict[str, tuple[int, int, int]]:
         """Every site's ``(H, Vq, Vk)`` as accumulated (a stream still to be tracked counts with its limit)."""

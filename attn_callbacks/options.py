@@ -11,12 +11,13 @@ from typing import Any, Literal
 from lightning.pytorch import LightningModule
 
 from attn_callbacks.base import config
-from attn_callbacks.base.config import Tokenizer, TokenSource
+from attn_callbacks.base.config import Tokenizer, TokenLookup, TokenSource
 from attn_callbacks.capture.hooks import AttentionCapture
 from attn_callbacks.capture.probe import Probe
 from attn_callbacks.capture.sites import AttentionSites
 from attn_callbacks.capture.streams import Streams
 from attn_callbacks.metrics.drift import DriftMemory
+from attn_callbacks.output.export import check_export_dir
 from attn_callbacks.output.report import Reporter
 from attn_callbacks.schedule import Schedule
 from attn_callbacks.sums.accumulator import EpochSums
@@ -35,8 +36,8 @@ class MonitorOptions:
             attribute), a callable ``batch -> LongTensor``, or a mapping of stream names to either, e.g.
             ``{"src": "src_ids", "tgt": "tgt_ids"}``.
         id_to_token: labels for the heatmap axes: a list, dict or callable id -> str, a Hugging Face tokenizer
-            (its ``convert_ids_to_tokens``), or a mapping stream name -> one of those (streams it leaves out show
-            ids). Ids are shown when None.
+            (its ``convert_ids_to_tokens``), a ``tokenizers.Tokenizer`` (its ``id_to_token``), or a mapping stream
+            name -> one of those (streams it leaves out show ids). Ids are shown when None.
         modules: fnmatch patterns over ``named_modules()`` names selecting the attention modules; all when None.
         attention_streams: fnmatch pattern -> ``(query_stream, key_stream)``, first match wins. Needed only when
             there are several streams and the modules are neither stock ``nn.Transformer`` layers nor a Hugging Face
@@ -53,7 +54,8 @@ class MonitorOptions:
             (the sanity check not counted); with Lightning's ``check_val_every_n_epoch=c`` validation runs after
             training epochs c - 1, 2c - 1, ..., and every n-th of those is monitored. Other validation epochs are not
             hooked. A ``trainer.validate()`` call is always monitored, and not counted.
-        log_sanity_check: also monitor Lightning's sanity-check validation pass (it never becomes a drift epoch).
+        log_sanity_check: also monitor Lightning's sanity-check validation pass (it never becomes a drift epoch); its
+            scalars are logged at step 0, straight to the loggers (Lightning drops what the sanity pass logs).
         validate_args: check token id ranges every batch (one host sync per stream and batch); turn off for speed.
         prefix: the first part of every logged tag.
         drift_reference_epoch: the (training) epoch whose monitored validation drift ``..._ref`` compares against; the
@@ -94,7 +96,6 @@ class MonitorOptions:
         limit_batches: monitor only the first this many batches of each evaluation dataloader, then remove the
             hooks (restoring the fused fast path) so the rest runs at full speed: the knob for large validation sets.
             The loader must not shuffle (a warning says so), or drift compares different batches. None for all.
-
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view). Every argument can
     be set from a ``LightningCLI`` config file: ``docs/options.md`` says how.
@@ -113,9 +114,10 @@ class MonitorOptions:
         id_to_token: (
             Sequence[str]
             | Mapping[int, str]
-            | dict[str, Sequence[str] | Mapping[int, str] | Callable[[int], str] | Tokenizer]
+            | dict[str, Sequence[str] | Mapping[int, str] | Callable[[int], str] | Tokenizer | TokenLookup]
             | Callable[[int], str]
             | Tokenizer
+            | TokenLookup
             | None
         ) = None,
         modules: Sequence[str] | None = None,
@@ -174,6 +176,8 @@ class MonitorOptions:
         self.probe, self.probe_forward = probe, probe_forward
         self.export = config.check_choice("export", export, ("pt", "npz", None))
         self.export_dir = config.check_path("export_dir", export_dir)
+        if self.export is not None and self.export_dir:  # a file in the way fails now (None: checked in setup)
+            check_export_dir(self.export_dir)
         self.monitor_test = config.flag("monitor_test", monitor_test)
         self.memory_budget = None if memory_budget is None else config.parse_bytes("memory_budget", memory_budget)
         self.color_scale = config.check_choice("color_scale", color_scale, ("epoch", "shared"))

@@ -8,7 +8,7 @@ from pathlib import PurePosixPath
 import numpy as np
 import pytest
 import torch
-from _callback_helpers import LENGTH, VOCAB, TinyEncoder, make_batches, no_hooks, run_validate
+from _callback_helpers import LENGTH, VOCAB, TinyEncoder, make_batches, no_hooks, run_validate, trainer
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -182,3 +182,16 @@ def test_callback_options_that_ddp_spawn_cannot_pickle_raise_naming_the_argument
         copy.deepcopy(monitor)._streams.getters.keys() == monitor._streams.getters.keys()
     )  # deep copies need no pickling
     assert pickle.loads(pickle.dumps(AttentionMonitor(VOCAB, "input_ids")))._streams.vocab == {"tokens": VOCAB}
+
+
+@pytest.mark.parametrize(
+    "first, second, clash",
+    [
+        ({"monitor_test": True}, {"prefix": "attention_test"}, "attention_test"),
+        ({}, {"modules": ["encoder.layers.0.*"]}, "attention"),
+    ],
+)
+def test_two_monitors_writing_the_same_tags_are_refused_at_setup(tmp_path, first, second, clash):
+    monitors = [AttentionMonitor(VOCAB, "input_ids", **first), AttentionMonitor(VOCAB, "input_ids", **second)]
+    with pytest.raises(MisconfigurationException, match=f"would both write the tags of prefix '{clash}'"):
+        trainer(tmp_path, monitors).validate(TinyEncoder(), make_batches(), verbose=False)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _callback_helpers import PAD, VOCAB, TinyEncoder, last_scalars, loaders, trainer
+from _callback_helpers import PAD, VOCAB, TinyEncoder, last_scalars, loaders, saved_and_loaded, trainer
 from _reference import ACCELERATOR, copied, naive_js, returned
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -152,3 +152,52 @@ def test_callback_drift_table_lists_most_moved_tokens_with_loop_js_against_both(
         against_previous = naive_js(now[a].tolist(), prev[a].tolist()) if prev_q[a] >= 2 else None
         assert (row[2] == "") if against_previous is None else abs(float(row[2]) - against_previous) < 1e-3
         assert int(row[5]) == int(now_q[a])
+
+
+def test_callback_a_reference_epoch_beyond_the_fit_is_warned_about(tmp_path):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], drift_reference_epoch=5, num_pairs=0)
+    with pytest.warns(UserWarning, match=r"`drift_reference_epoch`=5 is not an epoch of this fit \(max_epochs=2\)"):
+        trainer(tmp_path, [monitor], max_epochs=2, num_sanity_val_steps=0).fit(TinyEncoder(), *loaders())
+    drift = [tag for tag in last_scalars(tmp_path / "tb" / "version_0") if "drift" in tag]
+    assert "attention_drift/js_prev/encoder.layers.0.self_attn" in drift
+    assert not [tag for tag in drift if "_ref" in tag]
+
+
+def fitted_state(tmp_path, **kwargs):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], num_pairs=0, **kwargs)
+    trainer(tmp_path, [monitor], max_epochs=1, num_sanity_val_steps=0).fit(TinyEncoder(), *loaders())
+    return saved_and_loaded(monitor.state_dict())
+
+
+def test_callback_resuming_into_another_vocabulary_warns_that_drift_restarts(tmp_path):
+    state = fitted_state(tmp_path / "first")
+    wider = AttentionMonitor(VOCAB + 3, "input_ids", ignore_ids=[PAD], num_pairs=0)
+    wider.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"now gives P of shape \(2, 15, 15\).*epoch 0: \(2, 12, 12\)"):
+        trainer(tmp_path / "second", [wider], max_epochs=1).validate(TinyEncoder(), loaders()[1], verbose=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tracked_tokens": 6}, "this monitor's `max_tracked_tokens`=6 is not used"),
+        ({}, "this monitor's no tracking is not used"),
+        ({"tracked_ids": [1, 2]}, r"this monitor's `tracked_ids` \(2 ids\) is not used"),
+    ],
+)
+def test_callback_resuming_with_other_tracking_keeps_the_checkpoints_and_says_so(tmp_path, kwargs, message):
+    state = fitted_state(tmp_path, max_tracked_tokens=4)
+    kept = state["tracked_ids"]["tokens"]
+    assert len(kept) == 4
+    resumed = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], **kwargs)
+    with pytest.warns(UserWarning, match=f"the checkpoint tracks 4 ids of stream 'tokens'.*{message}"):
+        resumed.load_state_dict(state)
+    assert torch.equal(resumed.state_dict()["tracked_ids"]["tokens"], kept)
+
+
+def test_callback_resuming_into_a_smaller_vocabulary_is_refused(tmp_path):
+    state = fitted_state(tmp_path, tracked_ids=[2, 11])
+    with pytest.raises(
+        ValueError, match="tracks stream 'tokens' with ids up to 11, but this monitor has `vocab_size`=8"
+    ):
+        AttentionMonitor(8, "input_ids").load_state_dict(state)

@@ -18,6 +18,7 @@ from _callback_helpers import (
     loaders,
     make_batches,
     no_hooks,
+    run_validate,
     saved_and_loaded,
     trainer,
 )
@@ -25,7 +26,7 @@ from _reference import SAME_SUMS, spying
 from lightning.pytorch import seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
-from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+from tensorboard.backend.event_processing.event_accumulator import IMAGES, TENSORS, EventAccumulator
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, load_epoch
@@ -247,3 +248,15 @@ def test_callback_interrupted_wait_for_writer_thread_stops_it_and_drops_the_rest
     assert monitor._report.background._pool is None and monitor._report.background._jobs == []
     pickle.dumps(monitor)  # nothing of the thread is carried
     copy.deepcopy(monitor)
+
+
+def test_callback_draws_labels_decoded_from_bytes_with_surrogateescape(tmp_path):
+    # a byte-level model's lossless labels: bytes 0x80.. alone are no UTF-8, so they decode to lone surrogates
+    labels = [bytes([0x80 + i]).decode("utf-8", "surrogateescape") for i in range(VOCAB)]
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], id_to_token=labels, top_k=4)
+    run_validate(tmp_path, monitor, make_batches())
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={IMAGES: 0, TENSORS: 0})
+    events.Reload()
+    assert "attention_mass/encoder.layers.0.self_attn" in events.Tags()["images"]
+    table = events.Tensors("attention_hubs/encoder.layers.0.self_attn/text_summary")[0].tensor_proto.string_val[0]
+    assert b"\\x8" in table  # the escapes, not the bytes

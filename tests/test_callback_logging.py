@@ -1,6 +1,7 @@
 """AttentionMonitor end to end, what reaches the loggers: tags, images, tables and scalars read back from
 TensorBoard and CSV files."""
 
+import copy
 import csv
 import io
 import math
@@ -8,7 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _callback_helpers import PAD, VOCAB, TinyEncoder, loaders, no_hooks, trainer
+from _callback_helpers import (
+    PAD,
+    VOCAB,
+    TinyEncoder,
+    last_scalars,
+    loaders,
+    make_batches,
+    no_hooks,
+    run_validate,
+    trainer,
+)
 from lightning.pytorch import seed_everything
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
@@ -101,18 +112,28 @@ def test_callback_under_fast_dev_run_says_why_there_are_no_images(tmp_path):
         t.fit(TinyEncoder(), train, val)
 
 
-def test_callback_per_head_scalars_skip_the_sanity_check_like_lightnings_own_scalars(tmp_path):
+def test_callback_a_monitored_sanity_pass_logs_its_scalars_at_step_0(tmp_path):
     seed_everything(0)
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], log_sanity_check=True)
     train, val = loaders()
-    t = trainer(tmp_path, [monitor], max_epochs=1, num_sanity_val_steps=2)
-    t.fit(TinyEncoder(), train, val)
+    model = TinyEncoder()
+    untrained = copy.deepcopy(model)
+    t = trainer(tmp_path / "fit", [monitor], max_epochs=1, num_sanity_val_steps=2)
+    t.fit(model, train, val)
     events = EventAccumulator(t.logger.log_dir, size_guidance={SCALARS: 0})
     events.Reload()
     layer = "attention_entropy/encoder.layers.0.self_attn"
-    assert len(events.Scalars(layer)) == 1  # epoch 0 only: Lightning drops what the sanity check logs
     head = "attention_entropy_heads/encoder.layers.0.self_attn/head_1"
-    assert [e.step for e in events.Scalars(head)] == [events.Scalars(layer)[0].step]
+    steps = [e.step for e in events.Scalars(layer)]
+    assert len(steps) == 2 and steps[0] == 0 < steps[1]  # the sanity pass, then epoch 0 where Lightning logs it
+    assert [e.step for e in events.Scalars(head)] == steps
+    # the sanity pass's numbers: those of a validation of its 2 batches by the untrained model
+    reference = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    check = trainer(tmp_path / "reference", [reference], limit_val_batches=2)
+    check.validate(untrained, val, verbose=False)
+    expected = last_scalars(check.logger.log_dir)
+    assert events.Scalars(layer)[0].value == pytest.approx(expected[layer], rel=1e-6)
+    assert events.Scalars(head)[0].value == pytest.approx(expected[head], rel=1e-6)
 
 
 def test_callback_scalars_equal_in_csv_and_tensorboard_images_only_in_tensorboard(tmp_path):
@@ -140,3 +161,28 @@ def test_callback_scalars_equal_in_csv_and_tensorboard_images_only_in_tensorboar
     assert all(row[tag] != "" for row in head_rows for tag in heads)
     assert len(events.Tags()["images"]) > 0
     assert not list(Path(csv_logger.log_dir).glob("*.png"))  # images go to TensorBoard only
+
+
+def nan_layers(model, layers):
+    with torch.no_grad():
+        for i in layers:
+            model.encoder.layers[i].self_attn.in_proj_weight.fill_(float("nan"))
+    return model
+
+
+@pytest.mark.parametrize("layers", [[1], [0, 1]])
+def test_a_layer_of_nan_weights_logs_its_skipped_rows_and_warns(tmp_path, layers):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], num_pairs=0)
+    with pytest.warns(UserWarning) as caught:
+        run_validate(tmp_path, monitor, make_batches(), nan_layers(TinyEncoder(), layers))
+    scalars = last_scalars(tmp_path / "tb" / "version_0")
+    valid_queries = 16 * 6 - 6 * 2  # 16 rows of 6 ids, 6 of them ending in 2 pads
+    messages = [str(w.message) for w in caught]
+    for i in layers:
+        name = f"encoder.layers.{i}.self_attn"
+        assert scalars[f"attention_skipped_rows/{name}"] == valid_queries
+        assert any(f"all {valid_queries} query rows that attention module {name!r}" in m for m in messages)
+    assert not any("ignore_ids" in m for m in messages)  # the cause is the weights, not the ids
+    if layers == [1]:
+        assert scalars["attention_skipped_rows/encoder.layers.0.self_attn"] == 0
+        assert "attention_entropy/encoder.layers.0.self_attn" in scalars

@@ -219,3 +219,16 @@ def test_callback_per_stream_sink_ids_may_leave_streams_out():
     assert monitor.state_dict()["tracked_ids"]["a"].tolist() == [4]
     with pytest.raises(ValueError, match="`max_tracked_tokens`=1 for stream 'b' is smaller than its 2 `sink_ids`"):
         AttentionMonitor(**{**two, "sink_ids": {"b": [1, 2]}}, max_tracked_tokens={"b": 1})
+
+
+@pytest.mark.parametrize("sanity_steps", [0, 2])
+def test_callback_memory_budget_counts_every_validation_loader_before_training(tmp_path, sanity_steps):
+    # The sums fit the budget for one dataloader (2 modules), not for two: refused before the first training step,
+    # whether or not a sanity pass runs first.
+    per_module = 3 * 144 * 4 + 144 * 8 + 12 * 8 + 8 + 6 * 2 * 4  # as in the test above
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], memory_budget=3 * per_module)
+    model = TinyEncoder()
+    train, val = loaders()
+    with pytest.raises(MisconfigurationException, match=f"would hold {4 * per_module / 1024:.1f} KiB"):
+        trainer(tmp_path, [monitor], max_epochs=1, num_sanity_val_steps=sanity_steps).fit(model, train, [val, val])
+    assert model.global_step == 0 and monitor._sums.metrics == {}

@@ -190,3 +190,19 @@ def test_cli_compares_exports_from_0_1_0(capsys):
     rows = [line for line in got if line[:1] in ([layer] for layer in compat.LAYERS)]
     assert [row[:2] for row in rows] == [[layer, "mean"] for layer in compat.LAYERS]
     assert all(0 < row[2] < math.log(2) for row in rows)
+
+
+def test_cli_compare_of_0_1_0_exports_finds_their_labels_equal(capsys):
+    # The exports of 0.1.0 carry their tracked tokens' labels: compare checks them and has nothing to warn about.
+    old, new = (DATA / EXPECTED["cli_compare"][which] for which in ("old", "new"))
+    assert load_epoch(old).labels == load_epoch(new).labels != {}
+    assert main(["compare", str(old), str(new)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_export_names_of_0_1_0_are_what_the_default_prefix_still_writes():
+    from attn_callbacks.output.export import export_name
+
+    for name, values in EXPECTED["exports"].items():
+        suffix = Path(name).suffix
+        assert export_name("attention", values["epoch"], values["global_step"], suffix) == name

@@ -255,3 +255,126 @@ def test_check_path_accepts_an_os_pathlike():
 
     where = Where()
     assert config.check_path("export_dir", where) is where
+
+
+# ------------------------------------------------------------------------------------------------------ short_repr
+def test_short_repr_keeps_a_short_repr_whole():
+    assert config.short_repr([1, 2]) == "[1, 2]" and config.short_repr("abc") == "'abc'"
+    assert config.short_repr("x" * 78) == repr("x" * 78)  # 80 characters: the limit
+
+
+def test_short_repr_cuts_a_long_repr_and_says_how_long_the_value_is():
+    text = config.short_repr(list(range(10_000)))
+    assert text.startswith("[0, 1, 2, 3,") and "…" in text and text.endswith("(list of length 10000)")
+    assert len(text.split("…")[0]) == 79  # the repr's first 79 characters, then the ellipsis
+    assert config.short_repr("x" * 200, limit=10) == "'xxxxxxxx… (str of length 200)"
+
+
+def test_short_repr_of_an_object_whose_repr_fails_names_its_type():
+    class Broken:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    assert config.short_repr(Broken()) == "<Broken object>"
+
+
+class _HugeRepr:
+    """Like a tokenizers.Tokenizer: a repr listing its whole vocabulary."""
+
+    def __repr__(self):
+        return "Huge(vocab={" + ", ".join(f'"w{i}": {i}' for i in range(30_000)) + "})"
+
+
+_HUGE, _LONG_TEXT, _LONG_LIST = _HugeRepr(), "x" * 10_000, [0.5] * 10_000
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda: config.positive_int("top_k", _LONG_TEXT),
+        lambda: config.int_list("ignore_ids", _LONG_LIST),
+        lambda: config.flag("log_heads", _HUGE),
+        lambda: config.non_empty_str("prefix", _HUGE),
+        lambda: config.unit_interval("threshold", _LONG_TEXT),
+        lambda: config.check_choice("mode", _LONG_TEXT, ["a", "b"]),
+        lambda: config.check_patterns("modules", [_HUGE]),
+        lambda: config.check_attention_streams({"x": _LONG_LIST}),
+        lambda: config.check_path("export_dir", _HUGE),
+        lambda: config.parse_bytes("memory_budget", _LONG_TEXT),
+        lambda: config.stream_getters({"src": _HUGE}),
+        lambda: config.stream_getters({tuple(range(5000)): 0}),
+        lambda: config.resolve_vocab_sizes({"a": _HUGE}, ["a"]),
+        lambda: config.resolve_vocab_sizes({f"s{i}": 1 for i in range(5000)}, ["a"]),
+        lambda: config.per_stream("sink_ids", {f"s{i}": [] for i in range(5000)}, ["a"], config.int_list),
+        lambda: config.labels_per_stream(_HUGE, ["src"]),
+        lambda: config.labels_per_stream({_LONG_TEXT: 1}, ["src"]),
+    ],
+    ids=[
+        "positive_int",
+        "int_list",
+        "flag",
+        "non_empty_str",
+        "unit_interval",
+        "check_choice",
+        "check_patterns",
+        "check_attention_streams",
+        "check_path",
+        "parse_bytes",
+        "stream_getters-source",
+        "stream_getters-name",
+        "resolve_vocab_sizes-size",
+        "resolve_vocab_sizes-streams",
+        "per_stream-streams",
+        "labels_per_stream-object",
+        "labels_per_stream-keys",
+    ],
+)
+def test_config_errors_show_a_short_repr_of_the_bad_value(check):
+    with pytest.raises(ValueError) as error:
+        check()
+    assert len(str(error.value)) < 400, str(error.value)[:500]
+
+
+def test_labels_per_stream_refusal_names_the_type_not_the_whole_repr():
+    with pytest.raises(ValueError, match="`id_to_token` to be .* but got Huge\\(vocab=.*… \\(_HugeRepr") as error:
+        config.labels_per_stream(_HUGE, ["src"])
+    assert len(str(error.value)) < 400
+
+
+def test_labels_per_stream_accepts_a_tokenizers_tokenizer():
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<pad>": 0, "the": 1}, unk_token="<pad>"))
+    assert config.labels_per_stream(tokenizer, ["src"]) == {"src": tokenizer}
+    assert config.labels_per_stream({"tgt": tokenizer}, ["src", "tgt"]) == {"src": None, "tgt": tokenizer}
+
+
+# ------------------------------------------------------------------------------------------ numpy numbers as values
+def test_int_list_takes_numpy_integers_as_python_ints():
+    got = config.int_list("ignore_ids", np.array([5, -100, 5]))
+    assert got == [-100, 5] and all(type(i) is int for i in got)
+    assert config.int_list("sink_ids", [np.int32(3), 1]) == [1, 3]
+
+
+def test_int_list_still_refuses_numpy_floats_and_bools():
+    for value in ([np.float64(1.0)], [np.bool_(True)]):
+        with pytest.raises(ValueError, match=re.escape("`ignore_ids` to be a sequence of integers")):
+            config.int_list("ignore_ids", value)
+
+
+def test_positive_int_and_vocab_sizes_take_numpy_integers_as_python_ints():
+    got = config.positive_int("top_k", np.int64(7))
+    assert got == 7 and type(got) is int
+    sizes = config.resolve_vocab_sizes({"a": np.int64(30522), "b": 4}, ["a", "b"])
+    assert sizes == {"a": 30522, "b": 4} and type(sizes["a"]) is int
+    with pytest.raises(ValueError, match="positive integer for stream 'a', but got np.int64\\(0\\)"):
+        config.resolve_vocab_sizes({"a": np.int64(0), "b": 4}, ["a", "b"])
+
+
+def test_unit_interval_and_parse_bytes_take_numpy_numbers():
+    assert config.unit_interval("threshold", np.float32(0.25)) == 0.25
+    assert config.parse_bytes("memory_budget", np.int64(2048)) == 2048
+    with pytest.raises(ValueError, match=re.escape("`threshold` to be in [0, 1], but got np.float64(nan)")):
+        config.unit_interval("threshold", np.float64("nan"))
+    with pytest.raises(ValueError, match=re.escape("`memory_budget` to be a positive number of bytes")):
+        config.parse_bytes("memory_budget", 10**400)  # past float's range: no OverflowError

@@ -185,3 +185,15 @@ def test_options_signature_block_builds_a_monitor():
     namespace = {"AttentionMonitor": AttentionMonitor, "vocab_size": 8}
     exec(compile(f"monitor = {blocks[0].code}", str(blocks[0]), "exec"), namespace)
     assert isinstance(namespace["monitor"], AttentionMonitor)
+
+
+def test_guarantees_name_tests_that_exist():
+    # `test_x.py::test_name`, or `::test_name` for the file named last: every test a promise cites is defined there
+    text = (DOCS / "guarantees.md").read_text(encoding="utf-8")
+    cited, missing, current = 0, [], None
+    for file, name, same_file in re.findall(r"`(test_\w+\.py)::(\w+)`|`::(\w+)`", text):
+        current = file or current
+        cited += 1
+        if f"def {name or same_file}(" not in (ROOT / "tests" / current).read_text(encoding="utf-8"):
+            missing.append(f"{current}::{name or same_file}")
+    assert cited >= 20 and not missing, missing

@@ -1,18 +1,28 @@
+import errno
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
+from types import SimpleNamespace
 
+import _callback_helpers as helpers
 import networkx as nx
 import numpy as np
 import pytest
 import torch
+from _callback_helpers import PAD, VOCAB, TinyEncoder, run_validate, trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
 
-from attn_callbacks import EpochRecord, export_graph, load_epoch, save_epoch
+from attn_callbacks import AttentionMonitor, EpochRecord, export_graph, load_epoch, save_epoch
 from attn_callbacks import functional as F
 from attn_callbacks.__main__ import main
-from attn_callbacks.output.export import FORMAT_VERSION
+from attn_callbacks.output.export import FORMAT_VERSION, check_export_dir, export_epoch, export_name
 from attn_callbacks.sums.accumulator import SUM_FIELDS, AttentionAccumulator, AttentionStats
 
 HEADS, BATCH, LENGTH = 2, 3, 5
@@ -387,3 +397,223 @@ def test_main_errors_exit_2_with_a_message(tmp_path, capsys):
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert not (tmp_path / "g.graphml").exists()
+
+
+# ---------------------------------------------------------------------------------------- the callback's exports
+LAYERS = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
+
+
+def query_counts(batches):
+    """Q[a]: how often token a is a query, padding left out (ignore_ids=[PAD]), counted by hand."""
+    counts = torch.zeros(VOCAB, dtype=torch.int64)
+    for batch in batches:
+        for token in batch["input_ids"].flatten().tolist():
+            if token != PAD:
+                counts[token] += 1
+    return counts
+
+
+def exporting_monitor(**kwargs):
+    return AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], per_head=False, export="pt", **kwargs)
+
+
+def exported_files(folder):
+    return sorted(path.name for path in Path(folder).iterdir())
+
+
+def test_export_two_validate_calls_at_one_step_keep_both_epochs(tmp_path):
+    first, second = helpers.make_batches(n=8, seed=1), helpers.make_batches(n=12, seed=2)
+    monitor = exporting_monitor(export_dir=tmp_path / "exports")
+    runner, model = trainer(tmp_path, [monitor]), TinyEncoder()
+    runner.validate(model, DataLoader(first, batch_size=None), verbose=False)
+    runner.validate(model, DataLoader(second, batch_size=None), verbose=False)  # epoch 0, step 0 again
+
+    assert exported_files(tmp_path / "exports") == ["epoch=0000-step=0-v1.pt", "epoch=0000-step=0.pt"]
+    for name, batches in (("epoch=0000-step=0.pt", first), ("epoch=0000-step=0-v1.pt", second)):
+        record = load_epoch(tmp_path / "exports" / name)
+        assert (record.epoch, record.global_step) == (0, 0)
+        for layer in LAYERS:
+            assert torch.equal(record.modules[layer].query_count, query_counts(batches)), (name, layer)
+    assert not torch.equal(query_counts(first), query_counts(second))
+
+
+def test_export_two_monitors_on_one_trainer_write_their_own_files(tmp_path):
+    batches = helpers.make_batches(n=8)
+    first = exporting_monitor(modules=[f"{LAYERS[0]}*"])
+    second = exporting_monitor(modules=[f"{LAYERS[1]}*"], prefix="deep")
+    trainer(tmp_path, [first, second]).validate(TinyEncoder(), DataLoader(batches, batch_size=None), verbose=False)
+
+    folder = tmp_path / "tb" / "version_0" / "attention_epochs"
+    assert exported_files(folder) == ["deep-epoch=0000-step=0.pt", "epoch=0000-step=0.pt"]
+    for name, layer in (("epoch=0000-step=0.pt", LAYERS[0]), ("deep-epoch=0000-step=0.pt", LAYERS[1])):
+        record = load_epoch(folder / name)
+        assert list(record.modules) == [layer]
+        assert torch.equal(record.modules[layer].query_count, query_counts(batches))
+
+
+def fake_trainer(log_dir, epoch=2, step=30):
+    return SimpleNamespace(
+        log_dir=str(log_dir), default_root_dir=str(log_dir), is_global_zero=True, current_epoch=epoch, global_step=step
+    )
+
+
+class FakeStreams:
+    """What export_epoch reads of the monitor's streams: one self-attention module on stream "src"."""
+
+    def __init__(self):
+        self.names, self.of = ("src",), {SELF: ("src", "src")}
+
+    def full_labels(self, stream):
+        return LABELS
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_export_epoch_never_replaces_a_file(tmp_path, monkeypatch, hard_links):
+    if not hard_links:  # a file system without hard links (FAT, some network file systems)
+        monkeypatch.setattr(os, "link", lambda *args: (_ for _ in ()).throw(OSError(errno.EPERM, "no hard links")))
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    (folder / "run-epoch=0002-step=30.npz").write_bytes(b"another run's export")
+    stats = {SELF: accumulate(0)}
+    written = [export_epoch(fake_trainer(tmp_path), stats, FakeStreams(), "npz", folder, prefix="run") for _ in "ab"]
+
+    assert [path.name for path in written] == ["run-epoch=0002-step=30-v1.npz", "run-epoch=0002-step=30-v2.npz"]
+    assert (folder / "run-epoch=0002-step=30.npz").read_bytes() == b"another run's export"
+    assert exported_files(folder) == sorted(["run-epoch=0002-step=30.npz", *(path.name for path in written)])
+    for path in written:
+        record = load_epoch(path)
+        assert (record.epoch, record.global_step, record.labels) == (2, 30, {"src": LABELS})
+        assert_stats_equal(record.modules[SELF], stats[SELF])
+
+
+def test_export_name_keeps_0_1_0_names_for_the_default_prefix():
+    assert export_name("attention", 3, 120, ".pt") == "epoch=0003-step=120.pt"  # as 0.1.0 named it
+    assert export_name("attention_test", 3, 120, ".npz") == "attention_test-epoch=0003-step=120.npz"
+    assert export_name("a/b c", 0, 7, ".pt", version=3) == "a_b_c-epoch=0000-step=7-v3.pt"
+    assert export_name("..", 0, 7, ".pt") == "_-epoch=0000-step=7.pt"  # never a hidden file
+
+
+def test_failed_epoch_end_leaves_no_export(tmp_path):
+    folder = tmp_path / "exports"
+
+    def id_to_token(token):  # a tokenizer that breaks once the export is on disk (while the tables are labelled)
+        if folder.exists() and any(folder.iterdir()):
+            raise RuntimeError("tokenizer went away")
+        return f"t{token}"
+
+    monitor = exporting_monitor(export_dir=folder, id_to_token=id_to_token)
+    with pytest.raises(RuntimeError, match="tokenizer went away"):
+        run_validate(tmp_path, monitor, helpers.make_batches(n=8))
+    assert folder.is_dir() and exported_files(folder) == []  # no export, and no temporary file either
+
+
+def test_export_dir_that_is_a_file_fails_in_the_constructor(tmp_path):
+    file = tmp_path / "notes.txt"
+    file.write_text("not a folder")
+    with pytest.raises(ValueError, match=rf"`export_dir` to be a folder .*but got '{re.escape(str(file))}', which is"):
+        exporting_monitor(export_dir=file)
+    below = file / "epochs"
+    with pytest.raises(ValueError, match=rf"`export_dir`.*'{re.escape(str(below))}', below '{re.escape(str(file))}'"):
+        exporting_monitor(export_dir=str(below))
+    monitor = AttentionMonitor(VOCAB, "input_ids", export_dir=below)  # nothing is exported: nothing to check
+    assert monitor.export_dir == below
+
+
+def test_default_export_dir_below_a_file_fails_in_setup(tmp_path):
+    log_dir = tmp_path / "tb" / "version_0"
+    log_dir.mkdir(parents=True)
+    (log_dir / "attention_epochs").write_text("a file where the exports would go")
+    model = TinyEncoder()
+    expected = (
+        rf"`export_dir` \(None: .*attention_epochs\) to be a folder.*'{re.escape(str(log_dir))}/attention_epochs'"
+    )
+    runner = trainer(tmp_path, [exporting_monitor()], logger=TensorBoardLogger(tmp_path, name="tb", version=0))
+    with pytest.raises(MisconfigurationException, match=expected):
+        runner.validate(model, DataLoader(helpers.make_batches(n=8), batch_size=None), verbose=False)
+    assert model.val_outputs == []  # refused before the first batch
+    assert (log_dir / "attention_epochs").read_text() == "a file where the exports would go"
+
+
+def test_check_export_dir_accepts_folders_to_be(tmp_path):
+    assert check_export_dir(tmp_path) == tmp_path
+    assert check_export_dir(str(tmp_path / "new" / "deeper")) == tmp_path / "new" / "deeper"
+    assert not (tmp_path / "new").exists()  # checked, not made
+
+
+# ------------------------------------------------------------------------------------------- CLI: refused inputs
+def test_main_compare_refuses_files_that_label_tokens_differently(tmp_path, capsys):
+    stats = {SELF: accumulate(0)}
+    relabelled = [*LABELS[:2], "dog", *LABELS[3:]]  # same shape, token 2 is another word
+    save_epoch(tmp_path / "old.pt", stats, streams=STREAMS, labels={"src": LABELS}, epoch=0, global_step=1)
+    save_epoch(tmp_path / "new.npz", stats, streams=STREAMS, labels={"src": relabelled}, epoch=1, global_step=2)
+    old, new = str(tmp_path / "old.pt"), str(tmp_path / "new.npz")
+    assert main(["compare", old, new]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        f"python -m attn_callbacks compare: error: module {SELF!r}: query token 2 is 'cat' in OLD ({old}) but 'dog' "
+        f"in NEW ({new}): the files count different tokens, not comparable (leave it out with --modules)"
+    )
+    assert main(["compare", old, old]) == 0 and capsys.readouterr().err == ""  # same labels: compared, no warning
+
+
+def test_main_compare_warns_when_one_file_has_no_labels(tmp_path, capsys):
+    save_two_modules(tmp_path / "old.pt", seed=0)
+    stats = {SELF: accumulate(0), CROSS: accumulate(100, vocab_q=4, vocab_k=6)}
+    save_epoch(tmp_path / "new.pt", stats, streams=STREAMS, labels={}, epoch=4, global_step=130)
+    assert main(["compare", str(tmp_path / "old.pt"), str(tmp_path / "new.pt"), "--top", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"python -m attn_callbacks compare: warning: module {name!r}: NEW has no {axis} token labels, so {axis} tokens "
+        "are compared by id, unchecked"
+        for name, axis in ((SELF, "query"), (SELF, "key"), (CROSS, "key"))  # CROSS's queries ("tgt") had none
+    ]
+    rows = parse_table(captured.out.splitlines(), "module")
+    assert [row.split() for row in rows] == [[name, "mean", "0.00000", "0.00000"] for name in (SELF, CROSS)]
+
+
+def test_main_graph_into_a_folder_is_a_one_line_error(tmp_path, capsys):
+    save_two_modules(tmp_path / "e.pt", seed=0)
+    folder = tmp_path / "graphs"
+    folder.mkdir()
+    assert main(["graph", str(tmp_path / "e.pt"), SELF, str(folder)]) == 2
+    message = f"OUT.graphml {str(folder)!r} is a folder: give the file to write"
+    assert capsys.readouterr().err == f"python -m attn_callbacks graph: error: {message}\n"
+    assert list(folder.iterdir()) == []
+
+
+def test_main_graph_refuses_outputs_it_cannot_or_must_not_write(tmp_path, capsys):
+    export = tmp_path / "e.pt"
+    save_two_modules(export, seed=0)
+    before = export.read_bytes()
+    below = tmp_path / "e.pt" / "g.graphml"
+    cases = [
+        (below, f"OUT.graphml {str(below)!r} cannot be written: {str(export)!r} is a file, not a folder"),
+        (export, f"OUT.graphml {str(export)!r} is EPOCH_FILE: writing the graph would replace the export"),
+    ]
+    for out, message in cases:
+        assert main(["graph", str(export), SELF, str(out)]) == 2
+        assert capsys.readouterr().err == f"python -m attn_callbacks graph: error: {message}\n"
+    assert export.read_bytes() == before  # the export is still the export
+
+
+def test_main_reports_an_unwritable_output_in_one_line(tmp_path, capsys, monkeypatch):
+    save_two_modules(tmp_path / "e.pt", seed=0)
+
+    def refused(path, write):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr("attn_callbacks.output.graph.write_atomically", refused)
+    out = tmp_path / "g.graphml"
+    assert main(["graph", str(tmp_path / "e.pt"), SELF, str(out)]) == 2
+    assert capsys.readouterr().err == f"python -m attn_callbacks graph: error: [Errno 13] Permission denied: '{out}'\n"
+
+
+def test_export_graph_refuses_a_folder_as_path(tmp_path):
+    folder = re.escape(str(tmp_path))
+    with pytest.raises(ValueError, match=rf"`path` to be a file to write, but got '{folder}', a folder"):
+        export_graph(tmp_path, accumulate(0))
+    (tmp_path / "file").write_text("")
+    below = tmp_path / "file" / "g.graphml"
+    with pytest.raises(ValueError, match=rf"got '{re.escape(str(below))}', below '{re.escape(str(tmp_path))}/file'"):
+        export_graph(below, accumulate(0))

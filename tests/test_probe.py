@@ -157,3 +157,18 @@ def test_probe_run_freezes_a_copy_of_the_probe_samples():
     reference = io.BytesIO()
     torch.save({"src": batch["src"][:1].clone()}, reference)
     assert len(saved.getvalue()) == len(reference.getvalue())  # one sample's ids, not the 64 of the batch
+
+
+def test_probe_run_names_the_probe_when_its_batch_lacks_the_ids():
+    probe = Probe({"tgt": torch.tensor([[1, 2]])}, lambda module, batch: None)  # no "src"
+    with pytest.raises(ValueError, match="the probe batch given in argument `probe` does not hold the token ids"):
+        probe.run(Model(), _streams())
+    assert not probe.only
+
+
+def test_probe_run_warns_once_when_the_forward_runs_no_attention():
+    probe = Probe({"src": torch.tensor([[1, 2, 3]])}, lambda module, batch: module.embed(batch["src"]))
+    _, first = _recorded(lambda: probe.run(Model(), _streams()))
+    _, second = _recorded(lambda: probe.run(Model(), _streams()))
+    assert len(first) == 1 and "no monitored attention module ran in it, so no probe maps are drawn" in first[0]
+    assert second == [] and probe.weights == {}

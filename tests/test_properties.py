@@ -679,8 +679,10 @@ def test_position_statistics_match_loop_definitions(spec):
     rows = kept_rows(batch)
     assert int(state["Q"].sum()) == rows
     stats = F.position_statistics(state["P"].double(), state["Q"])
-    assert set(stats) == {"entropy", "entropy_normalized", "self", "previous", "next", "distance"}
     heads = range(spec.heads)
+    defined = any(P[1][h] > 0 for h in heads)  # some row saw more than one key: the normalised entropy is no 0 / 0
+    names = {"entropy", "self", "previous", "next", "distance"} | ({"entropy_normalized"} if defined else set())
+    assert set(stats) == names
     expected = {
         "entropy": [loop_divide(P[0][h], rows) for h in heads],
         "entropy_normalized": [loop_divide(P[0][h], P[1][h]) for h in heads],
@@ -690,9 +692,12 @@ def test_position_statistics_match_loop_definitions(spec):
         "distance": [loop_divide(P[5][h], rows) for h in heads],
     }
     for name, value in expected.items():
+        if name not in names:
+            continue
         assert stats[name].shape == (spec.heads,)
         close(stats[name], as64(value), atol=1e-5, msg=name)
-    assert ((stats["entropy_normalized"] >= 0) & (stats["entropy_normalized"] <= 1 + 1e-5)).all()
+    if defined:
+        assert ((stats["entropy_normalized"] >= 0) & (stats["entropy_normalized"] <= 1 + 1e-5)).all()
     for name in ("self", "previous", "next"):
         assert ((stats[name] >= 0) & (stats[name] <= 1 + 1e-5)).all(), name
     if spec.causal and spec.mask_ignored_keys:  # the softmax gives exactly 0 to the future

@@ -283,3 +283,16 @@ def test_a_hot_cell_in_an_empty_batch_adds_nothing():
     pairs = F.pair_index(ids, ids, valid, valid, 4, 3)
     skipped = accumulate_attention_torch(packed, C, Q, P, weights, pairs, ids, valid, valid, hot_cell=11)
     assert int(skipped) == 0 and not packed.any() and not C.any() and not Q.any() and not P.any()
+
+
+def test_pair_index_points_pairs_of_ids_outside_the_vocabulary_past_the_last_cell():
+    # Vq = 4, Vk = 3: the key id 3 would be cell a * 3 + 3 = (a + 1, 0), another pair's cell, counted silently.
+    ids, valid = torch.tensor([[1, 3]]), torch.tensor([[True, True]])
+    index = kernels.pair_index(ids, ids, valid, valid, 4, 3)
+    assert index.tolist() == [[[4, 12], [10, 12]]]  # (1, 1) = 4, (3, 1) = 10; a pair with key 3 at 12 = 4 * 3
+    ignored = kernels.pair_index(ids, ids, valid, torch.tensor([[True, False]]), 4, 3)
+    assert ignored.tolist() == [[[4, 1], [10, 3]]]  # an ignored key position keeps its spread cell (i * 2 + j)
+    packed, C, Q = torch.zeros(2, 12, dtype=torch.float64), torch.zeros(12, dtype=torch.long), torch.zeros(4).long()
+    P = torch.zeros(len(F.POSITION_STATS), 1, dtype=torch.float64)
+    with pytest.raises((IndexError, RuntimeError)):  # the scatter refuses the pair, rather than count it elsewhere
+        accumulate_attention_torch(packed, C, Q, P, torch.full((1, 1, 2, 2), 0.5).double(), index, ids, valid, valid)

@@ -221,3 +221,15 @@ def test_mean_lift_refuses_a_plogp_that_is_not_one_value_per_row():
     torch.testing.assert_close(F.mean_lift(sums, uniform, F.row_plogp(sums)), F.mean_lift(sums, uniform))
     with pytest.raises(ValueError, match=r"`plogp` to have shape \(2, 3\).*\(3,\)"):
         F.mean_lift(sums, uniform, F.row_plogp(sums.mean(dim=0)))
+
+
+def test_position_statistics_of_length_one_rows_leave_normalised_entropy_out():
+    # 3 sequences of one token: each row sees one key, its entropy is 0 of a maximum log 1 = 0: undefined, and no
+    # collapse (reporting 0 would warn of attention collapse for every head).
+    weights = torch.ones(3, 2, 1, 1, dtype=torch.float64)
+    valid = torch.ones(3, 1, dtype=torch.bool)
+    sums = naive_position_sums(weights, valid, valid)
+    stats = F.position_statistics(sums, torch.tensor([3]))
+    assert "entropy_normalized" not in stats
+    torch.testing.assert_close(stats["entropy"], torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(stats["self"], torch.ones(2, dtype=torch.float64))

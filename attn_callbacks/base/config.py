@@ -17,6 +17,7 @@ import numpy as np
 __all__ = [
     "DEFAULT_STREAM",
     "TokenLabels",
+    "TokenLookup",
     "TokenSource",
     "Tokenizer",
     "check_attention_streams",
@@ -33,6 +34,7 @@ __all__ = [
     "per_stream",
     "positive_int",
     "resolve_vocab_sizes",
+    "short_repr",
     "stream_getters",
     "unit_interval",
 ]
@@ -55,22 +57,56 @@ class Tokenizer(Protocol):
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]: ...
 
 
-TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | Tokenizer | None
+@runtime_checkable
+class TokenLookup(Protocol):
+    """What labels need of a ``tokenizers.Tokenizer`` (``Tokenizer.from_file("tokenizer.json")``, the fast
+    tokenizer's backend): ``id_to_token`` (``None`` for an unknown id)."""
+
+    def id_to_token(self, id: int) -> str | None: ...  # the parameter's name in tokenizers
+
+
+TokenLabels = Sequence[str] | Mapping[int, str] | Callable[[int], str] | Tokenizer | TokenLookup | None
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message: whole up to ``limit`` characters, else its first ``limit - 1`` and "…",
+    then the value's type (and length): a vocabulary, a batch's keys or a tokenizer never fills the screen.
+
+    Example:
+        >>> short_repr(list(range(100)), limit=12)
+        '[0, 1, 2, 3… (list of length 100)'
+    """
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the error being reported
+        return f"<{type(value).__name__} object>"
+    if len(text) <= limit:
+        return text
+    try:
+        size = f" of length {len(value)}"
+    except Exception:  # no length (or a broken one)
+        size = ""
+    return f"{text[: max(limit - 1, 0)]}… ({type(value).__name__}{size})"
+
+
+def _integer(value: Any) -> bool:
+    """Whether ``value`` is an integer: Python's or numpy's (``np.int64`` from an array or a config), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    """``value`` if it is an integer (not a bool) ``>= minimum``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    """``value`` as an int if it is an integer (not a bool) ``>= minimum``."""
+    if not _integer(value) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"Expected argument `{name}` to be {what}, but got {value!r}")
-    return value
+        raise ValueError(f"Expected argument `{name}` to be {what}, but got {short_repr(value)}")
+    return int(value)
 
 
 def int_list(name: str, value: Any) -> list[int]:
-    """A sequence of integers, sorted and without repeats."""
-    if not _iterable(value) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise ValueError(f"Expected argument `{name}` to be a sequence of integers, but got {value!r}")
-    return sorted(set(value))
+    """A sequence of integers (numpy's too), as sorted Python ints without repeats."""
+    if not _iterable(value) or not all(_integer(i) for i in value):
+        raise ValueError(f"Expected argument `{name}` to be a sequence of integers, but got {short_repr(value)}")
+    return sorted({int(i) for i in value})
 
 
 def _iterable(value: Any) -> bool:
@@ -81,21 +117,21 @@ def _iterable(value: Any) -> bool:
 def flag(name: str, value: Any) -> bool:
     """``value`` if it is True or False (numpy's too): ``"False"`` or ``"no"`` would read as True."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"Expected argument `{name}` to be True or False, but got {value!r}")
+        raise ValueError(f"Expected argument `{name}` to be True or False, but got {short_repr(value)}")
     return bool(value)
 
 
 def non_empty_str(name: str, value: Any) -> str:
     """``value`` if it is a non-empty string."""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"Expected argument `{name}` to be a non-empty string, but got {value!r}")
+        raise ValueError(f"Expected argument `{name}` to be a non-empty string, but got {short_repr(value)}")
     return value
 
 
 def unit_interval(name: str, value: Any) -> float:
-    """``value`` as a float if it is a number (not a bool) in ``[0, 1]``."""
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value <= 1):
-        raise ValueError(f"Expected argument `{name}` to be in [0, 1], but got {value!r}")
+    """``value`` as a float if it is a number (numpy's too, not a bool) in ``[0, 1]``."""
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) and 0 <= value <= 1):
+        raise ValueError(f"Expected argument `{name}` to be in [0, 1], but got {short_repr(value)}")
     return float(value)
 
 
@@ -116,7 +152,7 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
     """``value`` if it is one of ``choices``."""
     if value not in choices:
         listed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
-        raise ValueError(f"Expected argument `{name}` to be {listed}, but got {value!r}")
+        raise ValueError(f"Expected argument `{name}` to be {listed}, but got {short_repr(value)}")
     return value
 
 
@@ -137,7 +173,9 @@ def per_stream(
         return dict.fromkeys(streams, checked)
     unknown = [s for s in value if s not in streams]
     if unknown:
-        raise ValueError(f"Argument `{name}` names unknown stream(s) {unknown}; streams: {list(streams)}")
+        raise ValueError(
+            f"Argument `{name}` names unknown stream(s) {short_repr(unknown)}; streams: {short_repr(list(streams))}"
+        )
     given = {s: value[s] for s in streams if s in value}
     if default is not None:
         given = {s: given.get(s, default) for s in streams}
@@ -159,11 +197,13 @@ def stream_getters(token_ids: TokenSource | Mapping[str, TokenSource]) -> dict[s
         getters = {DEFAULT_STREAM: token_ids}
     for stream, source in getters.items():
         if not isinstance(stream, str):
-            raise ValueError(f"Expected the stream names in argument `token_ids` to be strings, but got {stream!r}")
+            raise ValueError(
+                f"Expected the stream names in argument `token_ids` to be strings, but got {short_repr(stream)}"
+            )
         if isinstance(source, bool) or not (isinstance(source, (str, int)) or callable(source)):
             raise ValueError(
                 "Expected argument `token_ids` to be a batch key, a callable batch -> LongTensor (B, L) or a mapping "
-                f"of stream names to either, but got {source!r} for stream {stream!r}"
+                f"of stream names to either, but got {short_repr(source)} for stream {short_repr(stream)}"
             )
     return getters
 
@@ -173,18 +213,23 @@ def resolve_vocab_sizes(vocab_size: int | Mapping[str, int], streams: Sequence[s
     sizes = dict(vocab_size) if isinstance(vocab_size, Mapping) else dict.fromkeys(streams, vocab_size)
     missing = [s for s in streams if s not in sizes]
     if missing:
-        raise ValueError(f"Argument `vocab_size` has no entry for stream(s) {missing}; got {dict(vocab_size)!r}")
+        raise ValueError(
+            f"Argument `vocab_size` has no entry for stream(s) {short_repr(missing)}; "
+            f"got {short_repr(dict(vocab_size))}"
+        )
     unknown = [s for s in sizes if s not in streams]
     if unknown:
         raise ValueError(
-            f"Argument `vocab_size` names stream(s) {unknown} that argument `token_ids` does not define; "
-            f"streams: {list(streams)}"
+            f"Argument `vocab_size` names stream(s) {short_repr(unknown)} that argument `token_ids` does not define; "
+            f"streams: {short_repr(list(streams))}"
         )
     for stream, size in sizes.items():
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        if not _integer(size) or size <= 0:
             where = "" if not isinstance(vocab_size, Mapping) else f" for stream {stream!r}"
-            raise ValueError(f"Expected argument `vocab_size` to be a positive integer{where}, but got {size!r}")
-    return {s: sizes[s] for s in streams}
+            raise ValueError(
+                f"Expected argument `vocab_size` to be a positive integer{where}, but got {short_repr(size)}"
+            )
+    return {s: int(sizes[s]) for s in streams}
 
 
 def labels_per_stream(id_to_token: Any, streams: Sequence[str]) -> dict[str, TokenLabels]:
@@ -193,23 +238,25 @@ def labels_per_stream(id_to_token: Any, streams: Sequence[str]) -> dict[str, Tok
         unknown = [key for key in id_to_token if key not in streams][:5]
         if unknown:
             raise ValueError(
-                f"Argument `id_to_token` names unknown stream(s) {unknown}; streams: {list(streams)} (an id -> label "
-                "mapping takes integer ids as keys)"
+                f"Argument `id_to_token` names unknown stream(s) {short_repr(unknown)}; streams: "
+                f"{short_repr(list(streams))} (an id -> label mapping takes integer ids as keys)"
             )
         return {s: _labels(id_to_token.get(s), f" for stream {s!r}") for s in streams}
     return dict.fromkeys(streams, _labels(id_to_token))
 
 
 def _labels(value: Any, where: str = "") -> TokenLabels:
-    """One stream's ``id_to_token``, checked: None, a tokenizer, a callable, a sequence of labels, or ids -> labels."""
-    if value is None or isinstance(value, Tokenizer):
+    """One stream's ``id_to_token``, checked: None, a tokenizer (``transformers``' or ``tokenizers``'), a callable, a
+    sequence of labels, or ids -> labels."""
+    if value is None or isinstance(value, (Tokenizer, TokenLookup)):
         return value
     if isinstance(value, Mapping):
         keys = [key for key in value if not isinstance(key, numbers.Integral) or isinstance(key, bool)]
         if keys:
             raise ValueError(
                 f"Argument `id_to_token`{where} maps ids to labels, so its keys must be integer ids, but it has keys "
-                f"{keys[:5]!r} (a tokenizer's get_vocab() maps tokens to ids: invert it, or pass the tokenizer)"
+                f"{short_repr(keys[:5])} (a tokenizer's get_vocab() maps tokens to ids: invert it, or pass the "
+                "tokenizer)"
             )
         return value
     indexable = hasattr(value, "__getitem__") and hasattr(value, "__len__")  # a list, or a numpy array of labels
@@ -217,14 +264,14 @@ def _labels(value: Any, where: str = "") -> TokenLabels:
         return value
     raise ValueError(
         f"Expected argument `id_to_token`{where} to be a sequence of labels, a mapping id -> label, a callable, a "
-        f"tokenizer or None, but got {value!r}"
+        f"tokenizer (with convert_ids_to_tokens or id_to_token) or None, but got {short_repr(value)}"
     )
 
 
 def check_patterns(name: str, value: Any) -> list[str] | None:
     """A list of fnmatch patterns, or None."""
     if value is not None and (not _iterable(value) or not all(isinstance(p, str) for p in value)):
-        raise ValueError(f"Expected argument `{name}` to be a list of fnmatch patterns, but got {value!r}")
+        raise ValueError(f"Expected argument `{name}` to be a list of fnmatch patterns, but got {short_repr(value)}")
     return None if value is None else list(value)
 
 
@@ -245,7 +292,7 @@ def check_attention_streams(value: Any) -> dict[str, tuple[str, str]] | None:
     ):
         raise ValueError(
             "Expected argument `attention_streams` to map module name patterns to (query stream, key stream) "
-            f"pairs, such as {{'decoder.*.multihead_attn': ('tgt', 'src')}}, but got {value!r}"
+            f"pairs, such as {{'decoder.*.multihead_attn': ('tgt', 'src')}}, but got {short_repr(value)}"
         )
     return {pattern: tuple(pair) for pattern, pair in value.items()} or None
 
@@ -253,7 +300,7 @@ def check_attention_streams(value: Any) -> dict[str, tuple[str, str]] | None:
 def check_path(name: str, value: Any) -> str | os.PathLike | None:
     """A path (str or ``os.PathLike``) or None."""
     if value is not None and not isinstance(value, (str, os.PathLike)):
-        raise ValueError(f"Expected argument `{name}` to be a path (str or Path) or None, but got {value!r}")
+        raise ValueError(f"Expected argument `{name}` to be a path (str or Path) or None, but got {short_repr(value)}")
     return value
 
 
@@ -277,12 +324,15 @@ def parse_bytes(name: str, value: int | float | str) -> int:
             number = float(digits) * _UNITS[unit or "b"]
         except ValueError:
             number = None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range
+            number = None
     if number is None or not number >= 1 or number == float("inf"):  # 0.5 bytes would be a budget of 0
         raise ValueError(
             f"Expected argument `{name}` to be a positive number of bytes or a string such as '1GiB' or '512MB', "
-            f"but got {value!r}"
+            f"but got {short_repr(value)}"
         )
     return round(number)  # "4.1GB" is 4.1 * 10**9 = 4099999999.9999995 in floats
 

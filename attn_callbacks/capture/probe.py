@@ -83,11 +83,25 @@ class Probe:
         (and the ids of the streams the modules read)."""
         streams.start_batch(move_data_to_device(self.batch, pl_module.device))
         try:
-            ids = {stream: streams.read(stream, pl_module.device)[2] for stream in streams.used()}
+            try:
+                ids = {stream: streams.read(stream, pl_module.device)[2] for stream in streams.used()}
+            except (KeyError, IndexError, AttributeError, TypeError, ValueError) as error:
+                raise ValueError(
+                    f"AttentionMonitor: the probe batch given in argument `probe` does not hold the token ids "
+                    f"`token_ids` reads from every validation batch: {error}"
+                ) from error
             self.ids = {stream: t[: self.samples].detach().cpu().clone() for stream, t in ids.items()}  # not a view
             self.only = True
+            self.weights.clear()
             with torch.no_grad():
                 self.forward(pl_module, streams.batch)
         finally:
             self.only = False
             streams.end_batch()
+        if not self.weights and not self._warned:
+            self._warned = True
+            rank_zero_warn(
+                "AttentionMonitor: argument `probe_forward` ran the probe batch, but no monitored attention module "
+                "ran in it, so no probe maps are drawn: does it call the model's attention (the modules selected "
+                "by `modules`)?"
+            )

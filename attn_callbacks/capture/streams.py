@@ -21,6 +21,7 @@ from attn_callbacks.base.config import (
     per_stream,
     positive_int,
     resolve_vocab_sizes,
+    short_repr,
     stream_getters,
 )
 from attn_callbacks.base.labels import MAX_LABEL, OTHER_LABEL, label_tokens
@@ -28,8 +29,12 @@ from attn_callbacks.base.private_api import fresh_iterator
 from attn_callbacks.capture import hf
 from attn_callbacks.capture.wiring import first_rule, resolve_streams
 
+#: The ids int64 holds: an ignore id outside can match no id (every id is compared as int64).
+_INT64_RANGE = range(-(2**63), 2**63)
+
 __all__ = [
     "Streams",
+    "as_int64",
     "check_ids_in_range",
     "compact_index",
     "most_frequent_ids",
@@ -82,8 +87,8 @@ class Streams:
         self.of: dict[str, tuple[str, str]] = {}  # attention module -> (query stream, key stream)
         self.batch: Any = None  # the batch being read, while one runs
         self._ids: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # this batch's ids per stream
-        self._tables: dict[str, Tensor] = {}  # stream -> id -> compact index, on the device
-        self._ignored: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # ignore_ids on a device
+        self._tables: dict[str, Tensor] = {}  # stream -> id -> compact index (V + 1 entries), on the device
+        self._ignored: dict[torch.device, Tensor] = {}  # ignore_ids as int64 on a device
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "batch": None, "_ids": {}, "_tables": {}, "_ignored": {}}  # per-batch, device caches
@@ -93,7 +98,7 @@ class Streams:
         if bad or not ids:
             raise ValueError(
                 f"Expected argument `tracked_ids` to hold ids in [0, {self.vocab[stream]}) for stream {stream!r}, "
-                f"but got {bad or ids}"
+                f"but got {short_repr(bad or ids)}"
             )
         always = [i for i in self.sinks[stream] if i not in ids]
         return torch.tensor(always + ids, dtype=torch.long)
@@ -104,8 +109,8 @@ class Streams:
             bad = [i for i in ids if not 0 <= i < self.vocab[stream]]
             if bad:
                 raise ValueError(
-                    f"argument `sink_ids` has id(s) {bad} outside the vocabulary [0, {self.vocab[stream]}) of stream "
-                    f"{stream!r}"
+                    f"argument `sink_ids` has id(s) {short_repr(bad)} outside the vocabulary [0, {self.vocab[stream]}) "
+                    f"of stream {stream!r}"
                 )
 
     def wire(self, modules: Sequence[str], model: nn.Module, attention_streams: Mapping[str, Any] | None) -> None:
@@ -169,15 +174,17 @@ class Streams:
 
     # ------------------------------------------------------------------------------------------------- batches
     def valid(self, ids: Tensor) -> Tensor:
-        """Positions whose id is not in ``ignore_ids``."""
-        if not self.ignore_ids:
-            return torch.ones_like(ids, dtype=torch.bool)
-        ignored = self._ignored.get((ids.device, ids.dtype))
+        """Positions whose id is not in ``ignore_ids``, compared as int64: in the ids' own dtype an ignore id would
+        wrap (-100 is byte 156 in uint8) or overflow (40000 in int16)."""
+        ignored = self._ignored.get(ids.device)
         if ignored is None:  # made once: a copy from a Python list to a GPU waits for the device to finish its work
+            ignore = [i for i in self.ignore_ids if i in _INT64_RANGE]  # one outside can match no id
             with torch.inference_mode(False):  # usable in and out of inference mode
-                ignored = torch.tensor(self.ignore_ids, device=ids.device, dtype=ids.dtype)
-            self._ignored[(ids.device, ids.dtype)] = ignored
-        return ~torch.isin(ids, ignored)
+                ignored = torch.tensor(ignore, device=ids.device, dtype=torch.long)
+            self._ignored[ids.device] = ignored
+        if ignored.numel() == 0:
+            return torch.ones_like(ids, dtype=torch.bool)
+        return ~torch.isin(as_int64(ids), ignored)
 
     def start_batch(self, batch: Any) -> None:
         self.batch = batch
@@ -188,21 +195,27 @@ class Streams:
         self._ids.clear()
 
     def read(self, stream: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """(ids as accumulated, valid, ids as in the batch) of one stream of the current batch, read once per batch.
-        Accumulated ids are compact indices (``<other>`` last) for a tracked stream, the batch's ids otherwise."""
+        """(ids as accumulated, valid, ids as in the batch) of one stream of the current batch, read once per batch,
+        all int64 (compared, looked up and summed without wrapping, whatever the batch's integer dtype). Accumulated ids
+        are compact indices (``<other>`` last) for a tracked stream, the batch's ids otherwise."""
         if stream not in self._ids:
-            ids = read_stream(self.batch, stream, self.getters[stream], self.batch_first).to(device)
+            as_read = read_stream(self.batch, stream, self.getters[stream], self.batch_first).to(device)
+            ids = as_int64(as_read)  # uint8 ids of a 256-byte vocabulary: 154 >= 256 would be compared as 154 >= 0
             valid = self.valid(ids)
             if self.validate_args:
-                check_ids_in_range(ids, valid, self.vocab[stream], stream)
+                check_ids_in_range(as_read, valid, self.vocab[stream], stream)
             compact = ids
             if stream in self.tracked:
+                vocab = self.vocab[stream]
                 table = self._tables.get(stream)
                 if table is None or table.device != ids.device:
-                    table = compact_index(self.tracked[stream], self.vocab[stream]).to(ids.device)
+                    other = torch.tensor([len(self.tracked[stream])])
+                    table = torch.cat([compact_index(self.tracked[stream], vocab), other]).to(ids.device)  # (V + 1,)
                     self._tables[stream] = table
-                # Ignored positions may hold anything (pad = -100): clamp so the lookup stays in range.
-                compact = table[ids.long().clamp(0, self.vocab[stream] - 1)]
+                # An id outside [0, V) is none of the tracked ids: clamped to -1 or V, it looks up the last entry,
+                # <other>. So are ignored positions (pad = -100), which add nothing, and, with validate_args=False,
+                # ids beyond the vocabulary: counted in <other>, the bucket of every untracked id, never as a token.
+                compact = table[ids.clamp(-1, vocab)]
             self._ids[stream] = (compact, valid, ids)
         return self._ids[stream]
 
@@ -230,7 +243,8 @@ class Streams:
     def choose_tracked(self, loaders: Any, limits: Sequence[int | float], strategy: Any) -> None:
         """Count the ids of every pending stream some module reads over the evaluation ``loaders`` (ids only, no
         forward; at most ``limits`` batches each; summed over processes by ``strategy``) and freeze the most frequent
-        ones."""
+        ones. An id outside the vocabulary is refused here even with ``validate_args=False``: it has no cell to be
+        counted in, and this pass runs once, before the first monitored epoch, on ids only: its check slows no epoch."""
         pending = [stream for stream in self.used() if self.pending(stream)]
         if not pending:
             return
@@ -241,11 +255,11 @@ class Streams:
                 if index >= limit:
                     break
                 for stream in pending:
-                    ids = read_stream(batch, stream, self.getters[stream], self.batch_first).to(device)
+                    as_read = read_stream(batch, stream, self.getters[stream], self.batch_first).to(device)
+                    ids = as_int64(as_read)
                     valid = self.valid(ids)
-                    if self.validate_args:
-                        check_ids_in_range(ids, valid, self.vocab[stream], stream)
-                    where = torch.where(valid, ids.long(), self.vocab[stream]).reshape(-1)  # ignored -> last cell
+                    check_ids_in_range(as_read, valid, self.vocab[stream], stream)  # no cell to count it in
+                    where = torch.where(valid, ids, self.vocab[stream]).reshape(-1)  # ignored -> last cell
                     counts[stream].index_add_(0, where, valid.reshape(-1).long())
         for stream in pending:
             total = strategy.reduce(counts[stream], reduce_op="sum")[:-1]  # same counts on every rank
@@ -301,12 +315,12 @@ def read_stream(batch: Any, stream: str, source: TokenSource, batch_first: bool 
         try:
             ids = source(batch)
         except Exception as err:
-            raise RuntimeError(f"The `token_ids` callable for stream {stream!r} raised {err!r}") from err
+            raise RuntimeError(f"The `token_ids` callable for stream {stream!r} raised {short_repr(err)}") from err
     elif isinstance(batch, Mapping):
         if source not in batch:
             raise KeyError(
-                f"Batch key {source!r} of argument `token_ids` (stream {stream!r}) is not in the batch; "
-                f"keys: {list(batch)}{hf.missing_key_hint(source, batch)}"
+                f"Batch key {short_repr(source)} of argument `token_ids` (stream {stream!r}) is not in the batch; "
+                f"keys: {short_repr(list(batch))}{hf.missing_key_hint(source, batch)}"
             )
         ids = batch[source]
     elif isinstance(source, int) and isinstance(batch, Sequence):
@@ -320,8 +334,8 @@ def read_stream(batch: Any, stream: str, source: TokenSource, batch_first: bool 
         ids = getattr(batch, source)
     else:
         raise KeyError(
-            f"Cannot read batch key {source!r} of argument `token_ids` (stream {stream!r}) from a batch of type "
-            f"{type(batch).__name__}; pass a callable batch -> LongTensor instead"
+            f"Cannot read batch key {short_repr(source)} of argument `token_ids` (stream {stream!r}) from a batch of "
+            f"type {type(batch).__name__}; pass a callable batch -> LongTensor instead"
         )
     if not isinstance(ids, Tensor):
         raise ValueError(f"Expected the token ids of stream {stream!r} to be a Tensor, but got {type(ids).__name__}")
@@ -336,14 +350,32 @@ def read_stream(batch: Any, stream: str, source: TokenSource, batch_first: bool 
 
 
 def check_ids_in_range(ids: Tensor, valid: Tensor, vocab_size: int, stream: str) -> None:
-    """Raise if a valid (not ignored) id is negative or ``>= vocab_size``. One host sync; skip it for speed."""
-    bad = valid & ((ids < 0) | (ids >= vocab_size))
+    """Raise if a valid (not ignored) id is negative or ``>= vocab_size``, compared as int64 whatever the ids' integer
+    dtype (in uint8, ``vocab_size=256`` would wrap to 0). One host sync; skip it for speed."""
+    wide = as_int64(ids)
+    bad = valid & ((wide < 0) | (wide >= vocab_size))
     if bool(bad.any()):
-        value = int(ids[bad][0])
+        value = int(ids.long()[bad][0])
+        if value < 0 and not ids.dtype.is_signed:
+            value += 2**64  # a uint64 id past int64's range, as the batch holds it
         raise ValueError(
             f"Token id {value} of stream {stream!r} is outside the vocabulary [0, {vocab_size}) given by "
             "argument `vocab_size`; add padding ids to `ignore_ids` or raise `vocab_size`"
         )
+
+
+def as_int64(ids: Tensor) -> Tensor:
+    """Integer ids as int64 (the same tensor when they are): compared there, no id or bound wraps as it would in a
+    small dtype. A uint64 id past int64's range saturates at int64's maximum, out of every vocabulary.
+
+    Example:
+        >>> as_int64(torch.tensor([154, 255], dtype=torch.uint8)) < 256
+        tensor([True, True])
+    """
+    wide = ids.long()
+    if not ids.dtype.is_signed and ids.element_size() == 8:  # uint64: 2**64 - 1 would read as -1
+        wide = wide.masked_fill(wide < 0, torch.iinfo(torch.long).max)
+    return wide
 
 
 def most_frequent_ids(counts: Tensor, k: int, always: Sequence[int] = ()) -> Tensor:

@@ -237,6 +237,16 @@ class DriftMemory:
             reference = None  # kept from before a resume into another model: nothing comparable
         return _complete(previous), _complete(reference)
 
+    def incomparable(self, name: str, shape: torch.Size) -> list[tuple[int | None, tuple[int, ...]]]:
+        """The kept epochs of a module (previous, reference) whose ``P`` has another shape than ``shape``, with that
+        shape: drift against them cannot be computed (a resume into a monitor of another vocabulary, say)."""
+        kept = ((self.previous_epoch, self.previous.get(name)), (self.reference_epoch, self.reference.get(name)))
+        found = []
+        for epoch, snapshot in kept:
+            if snapshot is not None and tuple(snapshot["attention_mass"].shape) != tuple(shape):
+                found.append((epoch, tuple(snapshot["attention_mass"].shape)))
+        return found
+
     def take_spare(
         self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, pinned: bool = False
     ) -> Tensor | None:

@@ -197,7 +197,8 @@ def position_statistics(position_sums: Tensor, query_count: Tensor) -> dict[str,
       ``p_ij = w_ij / Σ_j' w_ij'`` over the valid keys (the row as the model computed it when no attended key is
       ignored);
     - ``entropy_normalized = Σ_i H_i / Σ_i log n_i`` with ``n_i`` the visible keys of row ``i``: 1 = uniform over
-      what the query could see, 0 = one key only (rows with one visible key add 0 to both sums);
+      what the query could see, 0 = one key only (rows with one visible key add 0 to both sums; left out when
+      every row saw one key, as in length-1 sequences);
     - ``self``, ``previous``, ``next``: mean mass on key position ``j = i``, ``i - 1``, ``i + 1``;
     - ``distance = Σ_i Σ_j w_ij |i - j| / R``, the mean attention distance in positions.
 
@@ -210,7 +211,7 @@ def position_statistics(position_sums: Tensor, query_count: Tensor) -> dict[str,
     """
     rows = query_count.sum().to(position_sums.dtype)
     stats = dict(zip(POSITION_STATS, position_sums, strict=True))
-    return {
+    result = {
         "entropy": safe_divide(stats["entropy"], rows),
         "entropy_normalized": safe_divide(stats["entropy"], stats["max_entropy"]),
         "self": safe_divide(stats["self"], rows),
@@ -218,6 +219,9 @@ def position_statistics(position_sums: Tensor, query_count: Tensor) -> dict[str,
         "next": safe_divide(stats["next"], rows),
         "distance": safe_divide(stats["distance"], rows),
     }
+    if not bool((stats["max_entropy"] > 0).any()):  # every row saw one key: 0 / 0, undefined, not a collapse
+        del result["entropy_normalized"]
+    return result
 
 
 def sink_mass(attention_sum: Tensor, query_count: Tensor, sink_ids: Tensor) -> Tensor:

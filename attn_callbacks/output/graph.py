@@ -13,6 +13,7 @@ import torch
 from attn_callbacks.base.files import write_atomically
 from attn_callbacks.metrics.summary import in_degree
 from attn_callbacks.metrics.tables import pagerank
+from attn_callbacks.output.export import not_a_folder
 from attn_callbacks.sums.accumulator import AttentionStats
 
 __all__ = ["export_graph"]
@@ -68,7 +69,8 @@ def export_graph(
 
     Raises:
         ImportError: when networkx is not installed (``pip install 'attn_callbacks[graph]'``).
-        ValueError: for a bad ``head``, ``min_weight`` or ``self_attention``.
+        ValueError: for a bad ``head``, ``min_weight`` or ``self_attention``, or a ``path`` that is a folder or lies
+            below a file.
     """
     try:
         import networkx as nx
@@ -76,6 +78,11 @@ def export_graph(
         raise ImportError(
             "export_graph needs networkx: pip install 'attn_callbacks[graph]' (or pip install networkx)"
         ) from error
+    path = Path(path)
+    blocking = path if path.is_dir() else not_a_folder(path.parent)
+    if blocking is not None:
+        what = "a folder" if blocking == path else f"below {str(blocking)!r}, which is not a folder"
+        raise ValueError(f"Expected argument `path` to be a file to write, but got {str(path)!r}, {what}")
     num_heads, vocab_q, vocab_k = stats.attention_sum.shape
     if head is not None and (isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < num_heads):
         raise ValueError(f"Expected argument `head` to be None or an integer in [0, {num_heads}), but got {head!r}")
@@ -142,7 +149,6 @@ def export_graph(
     graph.add_weighted_edges_from(
         (query_node(a), key_node(b), w) for a, b, w in zip(sources.tolist(), targets.tolist(), weights, strict=True)
     )
-    path = Path(path)
     write_atomically(path, lambda file: nx.write_graphml(graph, file))
     return path
 

@@ -246,12 +246,30 @@ class Reporter:
         per-head ones the caller logs. With ``derived``, what drift memory keeps of this epoch's numbers
         (``row_plogp``, ``mean_mass``, on ``P``'s device) goes there. The tables and images are not made here: with a
         TensorBoard writer, the view they are made of is appended to ``views``, for the caller to make them from."""
-        if int(stats.query_count.sum()) == 0:
-            return None  # nothing seen by this module (or this dataloader): no numbers to log
         layer = name or "attention"
+        if int(stats.query_count.sum()) == 0:  # nothing summed by this module (or this dataloader)
+            skipped = int(stats.skipped_rows)
+            if skipped:  # every row it saw was dropped: say so, rather than vanish
+                log_layer(pl_module, {layer_tag(prefix, "skipped_rows", layer) + suffix: stats.skipped_rows.float()})
+                self.warn_once(
+                    f"all_skipped:{name}",
+                    f"AttentionMonitor: all {skipped} query rows that attention module {name!r} produced in this "
+                    "epoch had non-finite or all-zero weights (NaN or inf in the model or its inputs?), so nothing of "
+                    "it was summed: only its `skipped_rows` is logged.",
+                )
+            return None
         square = streams[0] == streams[1]
         mass_heads = stats.attention_mass  # (H, Vq, Vk)
         previous, reference = self.drift.snapshots(name, mass_heads.shape) if drift else (None, None)
+        lost = self.drift.incomparable(name, mass_heads.shape) if drift else []
+        if lost:
+            self.warn_once(
+                f"incomparable:{name}",
+                f"AttentionMonitor: attention module {name!r} now gives P of shape {tuple(mass_heads.shape)}, but the "
+                f"epoch(s) drift compares against have another ({', '.join(f'epoch {e}: {s}' for e, s in lost)}): "
+                "a resume into a monitor whose vocabulary, tracking or heads changed? Drift against them is not "
+                "logged; it starts again from this epoch.",
+            )
         summary = summarize(
             mass_heads,
             stats.attention_sum,
@@ -377,7 +395,12 @@ def _masses_in_place(merged: dict[str, AttentionStats]) -> None:
             stats.attention_sum = None
 
 
-def _run_of(writer: Any) -> str:
-    """The TensorBoard run a writer writes: its folder."""
+def _run_dir(writer: Any) -> str | None:
+    """The folder a TensorBoard writer writes to, None when it says none."""
     log_dir = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
-    return str(log_dir) if log_dir is not None else str(id(writer))
+    return None if log_dir is None else str(log_dir)
+
+
+def _run_of(writer: Any) -> str:
+    """The TensorBoard run a writer writes: its folder (the writer's identity when it names none)."""
+    return _run_dir(writer) or str(id(writer))

@@ -7,7 +7,6 @@ import struct
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,15 +21,11 @@ from torch.utils.tensorboard.summary import custom_scalars
 from attn_callbacks.base.numba_loader import uses_numba
 from attn_callbacks.base.private_api import epoch_end_step
 from attn_callbacks.base.tensor_ops import to_host_flat
-from attn_callbacks.capture.streams import Streams
-from attn_callbacks.output.export import save_epoch
-from attn_callbacks.sums.accumulator import AttentionStats
 
 __all__ = [
     "BackgroundWriter",
     "add_image",
     "add_layout",
-    "export_epoch",
     "log_heads",
     "log_layer",
     "png_bytes",
@@ -91,8 +86,13 @@ class BackgroundWriter:
 def log_layer(pl_module: LightningModule, scalars: dict[str, Tensor]) -> None:
     """Layer scalars through ``LightningModule.log`` (every logger, ``callback_metrics``), as CPU tensors: moved
     from the device in one copy, where Lightning would otherwise keep a result per tag on the device, each updated by
-    its own small kernels and read back with its own synchronisation."""
+    its own small kernels and read back with its own synchronisation. In a monitored sanity pass, where Lightning
+    drops what ``log`` gets, straight to every logger at step 0 instead."""
     if not scalars:
+        return
+    trainer = pl_module.trainer
+    if trainer.sanity_checking:  # monitored with log_sanity_check=True: Lightning would drop what `log` gets
+        _log_metrics(trainer, dict(zip(scalars, to_host_flat(scalars.values(), torch.float64).tolist(), strict=True)))
         return
     for tag, value in zip(scalars, to_host_flat(scalars.values(), torch.float32), strict=True):
         # Already summed over ranks by compute(): sync_dist would only average equal numbers. Our own dataloader
@@ -109,17 +109,25 @@ def log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
 
     ``LightningModule.log`` keeps a result object per tag and walks it on every call (about 1 ms each: a model of
     12 layers × 12 heads has thousands of per-head scalars), and would also fill ``callback_metrics``,
-    ``logged_metrics`` and what ``trainer.validate`` returns and prints with them. Like Lightning's own epoch-end
-    logging, nothing is written during the sanity check.
+    ``logged_metrics`` and what ``trainer.validate`` returns and prints with them. A monitored sanity pass
+    (``log_sanity_check=True``) logs them too, at its step (0), as :func:`log_layer` does its layer scalars.
     """
-    if not heads or trainer.sanity_checking or not trainer.is_global_zero or not trainer.loggers:
+    if not heads:
         return
-    step = epoch_end_step(trainer)  # where Lightning logs the layer scalars of this hook
     values = iter(to_host_flat(heads.values(), torch.float64).tolist())
     metrics: dict[str, float] = {
         f"{tag}/head_{h}{suffix}": next(values) for (tag, suffix), v in heads.items() for h in range(v.numel())
     }
-    metrics["epoch"] = trainer.current_epoch
+    _log_metrics(trainer, metrics)
+
+
+def _log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """``metrics`` and ``epoch`` to every logger from global rank 0, at the step where Lightning logs this hook's
+    layer scalars."""
+    if not trainer.is_global_zero or not trainer.loggers:
+        return
+    step = epoch_end_step(trainer)
+    metrics = {**metrics, "epoch": trainer.current_epoch}
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
 
@@ -197,19 +205,3 @@ def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:
             chunk(b"IEND", b""),
         ]
     )
-
-
-def export_epoch(
-    trainer: Trainer, merged: dict[str, AttentionStats], streams: Streams, export: str, export_dir: Any = None
-) -> None:
-    """Save the epoch's sums (:func:`~attn_callbacks.save_epoch`) as ``epoch={e:04d}-step={s}.{export}`` in
-    ``export_dir``, or ``{logger log_dir}/attention_epochs``; from global rank 0."""
-    # trainer.log_dir is a broadcast under DDP: every rank must ask, only rank 0 writes.
-    log_dir = None if export_dir else trainer.log_dir
-    if not trainer.is_global_zero:
-        return
-    directory = Path(export_dir) if export_dir else Path(log_dir or trainer.default_root_dir) / "attention_epochs"
-    epoch, step = trainer.current_epoch, trainer.global_step
-    path = directory / f"epoch={epoch:04d}-step={step}.{export}"
-    labels = {stream: streams.full_labels(stream) for stream in streams.names}
-    save_epoch(path, merged, streams=streams.of, labels=labels, epoch=epoch, global_step=step)

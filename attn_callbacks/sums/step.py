@@ -54,17 +54,26 @@ def pair_index(
         key_vocab_size: ``Vk``.
 
     Returns:
-        ``(B, Lq, Lk)`` int64 in ``[0, Vq * Vk)``.
+        ``(B, Lq, Lk)`` int64 in ``[0, Vq * Vk)``; ``Vq * Vk`` (past the last cell, so that the scatter raises) for a
+        pair whose valid query or key id is outside its vocabulary.
 
     Example:
         >>> ids, valid = torch.tensor([[1, 2]]), torch.tensor([[True, False]])
         >>> pair_index(ids, ids, valid, valid, 3, 3).tolist()
         [[[4, 1], [2, 3]]]
     """
-    flat = query_ids.long()[:, :, None] * key_vocab_size + key_ids.long()[:, None, :]  # (B, Lq, Lk)
+    query_ids, key_ids = query_ids.long(), key_ids.long()
+    flat = query_ids[:, :, None] * key_vocab_size + key_ids[:, None, :]  # (B, Lq, Lk)
     len_q, len_k = flat.shape[1:]
-    position = _spread(len_q * len_k, query_vocab_size * key_vocab_size, flat.device).view(len_q, len_k)  # (Lq, Lk)
-    return torch.where(query_valid[:, :, None] & key_valid[:, None, :], flat, position)
+    cells = query_vocab_size * key_vocab_size
+    position = _spread(len_q * len_k, cells, flat.device).view(len_q, len_k)  # (Lq, Lk)
+    index = torch.where(query_valid[:, :, None] & key_valid[:, None, :], flat, position)
+    # An id outside its vocabulary (unchecked with validate_args=False) must not land in another pair's cell (a key id
+    # Vk would count as key 0 of the next query row): its pairs point past the last cell, which the scatter refuses.
+    query_out = (query_ids < 0) | (query_ids >= query_vocab_size)  # (B, Lq)
+    key_out = (key_ids < 0) | (key_ids >= key_vocab_size)  # (B, Lk)
+    outside = (query_out & query_valid)[:, :, None] | (key_out & key_valid)[:, None, :]
+    return index.masked_fill_(outside, cells)
 
 
 def _spread(positions: int, cells: int, device: torch.device) -> Tensor:
