@@ -96,6 +96,14 @@ class MonitorOptions:
         limit_batches: monitor only the first this many batches of each evaluation dataloader, then remove the
             hooks (restoring the fused fast path) so the rest runs at full speed: the knob for large validation sets.
             The loader must not shuffle (a warning says so), or drift compares different batches. None for all.
+        explorer: write what TensorBoard's "Attention" tab shows (``docs/explorer.md``) into
+            ``{logger log_dir}/plugins/attention_explorer/`` every monitored epoch (rank 0, with a TensorBoard
+            logger): per module, ``P`` of the head mean and of each head, pair counts and the lift baseline over the
+            most frequent tracked tokens, with their labels and query counts.
+        explorer_size: the most bytes one module's explorer file may take per epoch (a number or a string such as
+            ``"2MB"``); it sets how many of the most frequent tokens are kept, ``n`` with
+            ``(heads + 3) * n² * 4 <= explorer_size`` (self-attention): about 200 tokens for 8 heads at the default.
+
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view). Every argument can
     be set from a ``LightningCLI`` config file: ``docs/options.md`` says how.
@@ -146,6 +154,8 @@ class MonitorOptions:
         memory_budget: int | float | str | None = "1GiB",
         color_scale: Literal["epoch", "shared"] = "epoch",
         limit_batches: int | None = None,
+        explorer: bool = True,
+        explorer_size: int | float | str = "2MB",
     ) -> None:
         self._streams = Streams(
             token_ids,
@@ -182,6 +192,8 @@ class MonitorOptions:
         self.memory_budget = None if memory_budget is None else config.parse_bytes("memory_budget", memory_budget)
         self.color_scale = config.check_choice("color_scale", color_scale, ("epoch", "shared"))
         self.limit_batches = None if limit_batches is None else config.positive_int("limit_batches", limit_batches)
+        self.explorer = config.flag("explorer", explorer)
+        self.explorer_size = config.parse_bytes("explorer_size", explorer_size)
 
         self._probe = Probe(probe, probe_forward, self.probe_samples)
         self._sums = EpochSums(self.per_head, self.memory_budget)
@@ -197,6 +209,7 @@ class MonitorOptions:
             min_support=self.min_support,
             entropy_collapse_threshold=self.entropy_collapse_threshold,
             color_scale=self.color_scale,
+            explorer_size=self.explorer_size if self.explorer else None,
         )
         self._sites = AttentionSites()
         self._capture: AttentionCapture | None = None

@@ -17,9 +17,10 @@ untimed floor epoch: the allocator, once that monitor's memory is freed, hands t
 - floor: every attention module forced to return weights (SDPA calls: seen and their weights recomputed), each weight
   read once (``weights.sum()``): what any capture pays, since a stock layer loses PyTorch's fused fast path and an
   SDPA call's weights must be computed again;
-- monitor (per head, the default) and monitor ``per_head=False``: steady, a monitor past its first three epochs
-  (tracked ids chosen, figures drawn, drift memory full), epoch end included, the model's weights nudged before each
-  of its epochs as a training step would change them (so that drift compares rows that moved); cold, a fresh
+- monitor (per head, the default), monitor ``per_head=False`` and monitor ``explorer=False`` (``--configs
+  per-head,no-explorer`` gives what the Attention tab's data costs the epoch end): steady, a monitor past its first
+  three epochs (tracked ids chosen, figures drawn, drift memory full), epoch end included, the model's weights nudged
+  before each of its epochs as a training step would change them (so that drift compares rows that moved); cold, a fresh
   monitor's first epoch, set-up, the tracked-id pass and the sums' allocation included (loading the compiled kernels
   and making the glyph outlines of the labels are once per process: the steady monitors' warm-up pays them first).
 
@@ -116,7 +117,11 @@ def timed(model: Encoder | SdpaEncoder, batches: list[dict], callbacks: list) ->
 
 
 # --configs name -> (the configuration's name in the output, the monitor's arguments)
-CONFIGS = {"per-head": ("monitor", {}), "mean": ("monitor per_head=False", {"per_head": False})}
+CONFIGS = {
+    "per-head": ("monitor", {}),
+    "mean": ("monitor per_head=False", {"per_head": False}),
+    "no-explorer": ("monitor explorer=False", {"explorer": False}),
+}
 
 
 def run(
@@ -168,7 +173,10 @@ def main() -> None:
     parser.add_argument("--models", default="stress,heavy,sdpa", help="comma-separated: stress, heavy, sdpa")
     parser.add_argument("--preset", default="stress", choices=sorted(PRESETS), help="the models' shapes")
     parser.add_argument(
-        "--configs", default="per-head,mean", help="comma-separated: per-head (the default), mean (per_head=False)"
+        "--configs",
+        default="per-head,mean",
+        help="comma-separated: per-head (the default), mean (per_head=False), no-explorer (explorer=False: "
+        "with per-head, what writing the Attention tab's data costs)",
     )
     args = parser.parse_args()
     chosen = tuple(args.configs.split(","))

@@ -216,8 +216,22 @@ def check_twins(out: str) -> None:
     positive(re.search(r"load average \(1, 5, 15 min\): (\S+)", out)[1])
 
 
+EXPLORER_ROUTES = ("runs", "labels", "token", "token head", "heatmap 24", "heatmap around 64", "history")
+
+
+def check_explorer(out: str) -> None:
+    """The write's milliseconds and every route's, min <= median <= max, all positive."""
+    rows = [re.search(r"^write one module's epoch: (\S+) / (\S+) / (\S+) ms", out, re.M)]
+    rows += [re.search(rf"^{re.escape(route)}\s+(\S+) / (\S+) / (\S+)$", out, re.M) for route in EXPLORER_ROUTES]
+    assert all(rows), out
+    for row in rows:
+        low, median, high = (positive(value) for value in row.groups())
+        assert low <= median <= high, out
+
+
 # script -> (its cheapest arguments, the check of its output)
 SMOKE_RUNS = {
+    "explorer.py": (["--quick"], check_explorer),
     "memory.py": (["--vocabs", "1000,8000", "--measure-up-to", "64MiB"], check_memory),
     "overhead.py": (
         ["--preset", "tiny", "--batches", "2", "--rounds", "1", "--models", "stress", "--configs", "per-head"],

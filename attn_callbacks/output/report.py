@@ -13,10 +13,12 @@ from torch import Tensor
 
 from attn_callbacks.capture.probe import Probe
 from attn_callbacks.capture.streams import Streams
+from attn_callbacks.explorer.data import write_epoch
 from attn_callbacks.metrics.drift import DriftMemory
 from attn_callbacks.metrics.summary import ModuleSummary, attention_mass, summarize
 from attn_callbacks.metrics.tables import module_tables, top_tokens
 from attn_callbacks.output.dashboard import grid_tag, head_tag, layer_tag, scalars_layout
+from attn_callbacks.output.explore import explorer_view
 from attn_callbacks.output.images import Images
 from attn_callbacks.output.writer import BackgroundWriter, add_layout, log_heads, log_layer, tensorboard_writer
 from attn_callbacks.sums.accumulator import AttentionStats
@@ -65,6 +67,7 @@ class Reporter:
         min_support: int,
         entropy_collapse_threshold: float,
         color_scale: str,
+        explorer_size: int | None = None,
     ) -> None:
         self.streams, self.drift, self.probe = streams, drift, probe
         self.per_head = per_head
@@ -72,6 +75,7 @@ class Reporter:
         self.num_pairs = num_pairs
         self.min_support = min_support
         self.entropy_collapse_threshold = entropy_collapse_threshold
+        self.explorer_size = explorer_size  # None: no explorer data
         self.images = Images(color_scale)
         self.background = BackgroundWriter()
         self._ranks: dict[tuple[str, str, str], Tensor] = {}  # the last PageRank per (module, prefix, suffix)
@@ -189,6 +193,9 @@ class Reporter:
             if self.num_pairs:
                 for out in made_of:
                     self._tables(out)
+            if self.explorer_size is not None and not trainer.sanity_checking:
+                for out in made_of:
+                    self._explore(out, trainer.current_epoch)
             for out in made_of:
                 self._draw(out)
             log_heads(trainer, heads)
@@ -368,6 +375,36 @@ class Reporter:
         )
         for kind, table in tables.items():
             self.background.text(out.writer, f"{out.prefix}_{kind}/{out.layer}{out.suffix}", table, out.step)
+
+    def _explore(self, out: ModuleView, epoch: int) -> None:
+        """Hand the explorer's cut of this view to the writer thread (the cut itself is a copy: the sums may change
+        once the epoch end is over, the file is written before it is)."""
+        run_dir = _run_dir(out.writer)
+        if run_dir is None:
+            return
+        query_stream, key_stream = out.streams
+        data = explorer_view(
+            view=f"{out.prefix}/{out.layer}{out.suffix}",
+            module=out.name,
+            streams=out.streams,
+            epoch=epoch,
+            step=out.step,
+            stats=out.stats,
+            mass=out.mass,
+            per_head=self.per_head,
+            size=self.explorer_size,
+            query_tokens=self.streams.tokens(query_stream),
+            key_tokens=self.streams.tokens(key_stream),
+            vocab_ids=tuple(self._vocab_ids(stream) for stream in out.streams),
+            query_labels=lambda ids: self.streams.label(ids, query_stream, max_length=None),
+            key_labels=lambda ids: self.streams.label(ids, key_stream, max_length=None),
+        )
+        if data is not None:
+            self.background.submit(lambda: write_epoch(run_dir, **data))
+
+    def _vocab_ids(self, stream: str) -> list[int] | None:
+        tracked = self.streams.tracked.get(stream)
+        return None if tracked is None else tracked.tolist()
 
     def _probe_maps(self, name: str, layer: str, streams: tuple[str, str], prefix: str) -> dict[str, Any]:
         weights, ids = self.probe.weights.get(name), self.probe.ids
