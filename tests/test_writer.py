@@ -9,7 +9,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from attn_callbacks.output.writer import add_image, log_heads
+from attn_callbacks.output.writer import add_image, fast_record_checksums, log_heads
 
 
 def test_add_image_writes_an_event_tensorboard_reads_back_beside_other_records(tmp_path):
@@ -83,3 +83,36 @@ def test_log_heads_leaves_a_tensorboard_logger_with_its_own_log_metrics_to_it(tm
     read = EventAccumulator(logger.log_dir, size_guidance={SCALARS: 0})
     read.Reload()
     assert read.Tags()["scalars"] == ["attention_entropy_heads/enc/head_0"]
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 255, 4096, 100_003])
+def test_numba_record_checksum_equals_tensorboards(length):
+    pytest.importorskip("numba")
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    from attn_callbacks.output.checksum_numba import masked_crc32c
+
+    data = np.random.default_rng(length).integers(0, 256, length, dtype=np.uint8).tobytes()
+    assert masked_crc32c(data) == reference(data)
+    assert masked_crc32c(b"123456789") == reference(b"123456789")  # CRC-32C's check value, masked
+
+
+def test_fast_record_checksums_restores_tensorboards_function_and_writes_readable_records(tmp_path):
+    pytest.importorskip("numba")
+    from tensorboard.summary.writer import record_writer
+
+    original = record_writer.masked_crc32c
+    writer = SummaryWriter(tmp_path)
+    image = np.random.default_rng(0).integers(0, 256, (40, 30, 3), dtype=np.uint8)
+    with pytest.raises(RuntimeError, match="drawing failed"), fast_record_checksums(writer):
+        assert record_writer.masked_crc32c is not original
+        add_image(writer, "picture", image, 3)
+        raise RuntimeError("drawing failed")
+    assert record_writer.masked_crc32c is original  # on every exit path
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={IMAGES: 0})
+    events.Reload()  # TensorBoard's reader checks every record's checksums
+    (picture,) = events.Images("picture")
+    assert picture.step == 3 and (picture.width, picture.height) == (30, 40)
+    with fast_record_checksums(None):  # no SummaryWriter: nothing to speed up
+        assert record_writer.masked_crc32c is original

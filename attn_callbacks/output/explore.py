@@ -4,13 +4,13 @@ most frequent tracked tokens, as many as ``explorer_size`` allows."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from attn_callbacks.capture.streams import Streams
 from attn_callbacks.explorer.data import planes_bytes
 from attn_callbacks.metrics.tables import top_tokens
 from attn_callbacks.sums.accumulator import AttentionStats
@@ -43,16 +43,13 @@ def explorer_view(
     mass: Tensor,
     per_head: bool,
     size: int,
-    query_tokens: slice,
-    key_tokens: slice,
-    vocab_ids: tuple[list[int] | None, list[int] | None],
-    query_labels: Callable[[list[int]], list[str]],
-    key_labels: Callable[[list[int]], list[str]],
+    tokens: Streams,
 ) -> dict[str, Any] | None:
     """What :func:`attn_callbacks.explorer.data.write_epoch` writes of one view's epoch (its keyword arguments but
     ``run_dir``; None when the view saw no token): ``P`` of the head mean (``mass``) and of each head (with
     ``per_head``), ``C`` and ``U`` over the most frequent tracked query tokens (rows) and, for cross-attention, the
-    key tokens most often visible (columns), most frequent first.
+    key tokens most often visible (columns), most frequent first. A copy: the sums may change once the epoch end is
+    over.
 
     Args:
         view: as in :func:`attn_callbacks.explorer.data.write_epoch`.
@@ -64,18 +61,16 @@ def explorer_view(
         mass: ``mean_h P``, ``(Vq, Vk)``.
         per_head: whether the heads' planes are written.
         size: ``explorer_size``, in bytes.
-        query_tokens: the accumulated indices that are query tokens (``<other>`` left out).
-        key_tokens: the same for keys.
-        vocab_ids: per axis, accumulated index -> vocabulary id (None: they are equal).
-        query_labels: accumulated query indices -> their whole labels.
-        key_labels: the same for keys.
+        tokens: the monitor's token streams: which accumulated indices are tokens (``<other>`` left out), their
+            vocabulary ids (tracked streams) and their whole labels.
     """
-    square = streams[0] == streams[1]
+    query_stream, key_stream = streams
+    square = query_stream == key_stream
     mass_heads = stats.attention_mass
     heads = mass_heads.shape[0] if per_head else 0
     n = explorer_tokens(heads, size, square)
-    rows = top_tokens(stats.query_count[query_tokens], n)
-    cols = rows if square else top_tokens(stats.pair_count[:, key_tokens].sum(dim=0), n)
+    rows = top_tokens(stats.query_count[tokens.tokens(query_stream)], n)
+    cols = rows if square else top_tokens(stats.pair_count[:, tokens.tokens(key_stream)].sum(dim=0), n)
     if not len(rows) or not len(cols):
         return None
     device_rows, device_cols = rows.to(mass.device), cols.to(mass.device)
@@ -86,7 +81,6 @@ def explorer_view(
     parts += [stats.pair_count[grid].to(mass.dtype)[None], stats.uniform_sum[grid].to(mass.dtype)[None]]
     planes = torch.cat(parts).to(device="cpu", dtype=torch.float32).numpy()  # (heads + 3, n_q, n_k)
     row_list, col_list = rows.tolist(), cols.tolist()
-    query_ids, key_ids = vocab_ids
     return dict(
         view=view,
         module=module,
@@ -94,9 +88,18 @@ def explorer_view(
         epoch=epoch,
         step=step,
         planes=np.ascontiguousarray(planes),
-        query_ids=row_list if query_ids is None else [query_ids[i] for i in row_list],
-        key_ids=col_list if key_ids is None else [key_ids[j] for j in col_list],
-        query_labels=query_labels(row_list),
-        key_labels=key_labels(col_list),
+        query_ids=_vocab_ids(tokens, query_stream, row_list),
+        key_ids=_vocab_ids(tokens, key_stream, col_list),
+        query_labels=tokens.label(row_list, query_stream, max_length=None),
+        key_labels=tokens.label(col_list, key_stream, max_length=None),
         query_count=stats.query_count[rows.to(stats.query_count.device)].long().tolist(),
     )
+
+
+def _vocab_ids(tokens: Streams, stream: str, indices: list[int]) -> list[int]:
+    """Accumulated indices -> vocabulary ids (a tracked stream's compact indices are not ids)."""
+    tracked = tokens.tracked.get(stream)
+    if tracked is None:
+        return indices
+    ids = tracked.tolist()
+    return [ids[i] for i in indices]

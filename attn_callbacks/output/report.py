@@ -20,7 +20,14 @@ from attn_callbacks.metrics.tables import module_tables, top_tokens
 from attn_callbacks.output.dashboard import grid_tag, head_tag, layer_tag, scalars_layout
 from attn_callbacks.output.explore import explorer_view
 from attn_callbacks.output.images import Images
-from attn_callbacks.output.writer import BackgroundWriter, add_layout, log_heads, log_layer, tensorboard_writer
+from attn_callbacks.output.writer import (
+    BackgroundWriter,
+    add_layout,
+    fast_record_checksums,
+    log_heads,
+    log_layer,
+    tensorboard_writer,
+)
 from attn_callbacks.sums.accumulator import AttentionStats
 
 __all__ = ["Reporter"]
@@ -159,52 +166,62 @@ class Reporter:
         there are several. On a drift epoch, returns what drift memory keeps of the derived numbers, per module."""
         writer = self.tensorboard(trainer)
         _masses_in_place(merged)
-        loaders = 1 + max(idx for _, idx in per_loader)
         derived: dict[str, dict[str, Tensor]] = {}
-        heads: dict[tuple[str, str], Tensor] = {}  # every module's per-head scalars, logged in one call
-        grids: dict[str, dict[str, dict[str, Tensor]]] = {}  # suffix -> metric -> module -> (H,) values
-        logged: dict[str, list[str]] = {}  # metric -> the modules (tag names) logging it
+        finished = False
         # Every module's numbers first, then its tables, then its pictures: the numba passes take both cores, and
         # the image writer thread then encodes while the drawing (one core) goes on, instead of competing with those
         # passes (measured: a table's pass 3x slower beside the writer). Neither kind of job reads what the other
         # makes, nor changes its inputs in place.
-        made_of: list[ModuleView] = []  # what each module's tables and pictures are made of, made after every number
-        pl_module, step = trainer.lightning_module, trainer.global_step
-        finished = False
-        try:
-            for name, stats in merged.items():
-                # The combined view (a drift epoch's, kept by drift memory), then each dataloader's when several.
-                parts = [(stats, drift, "", derived if drift else None)]
-                if loaders > 1:
-                    parts += [(per_loader[(name, k)], False, f"/dataloader_idx_{k}", None) for k in range(loaders)]
-                for part, is_drift, suffix, keep in parts:
-                    where = dict(prefix=prefix, step=step, drift=is_drift, suffix=suffix, derived=keep)
-                    summary = self.module(pl_module, writer, name, self.streams.of[name], part, views=made_of, **where)
-                    if summary is None:
-                        continue
-                    layer = name or "attention"
-                    for key in summary.layer:
-                        if layer not in logged.setdefault(key, []):
-                            logged[key].append(layer)
-                    if self.per_head:
-                        for key, values in summary.heads.items():
-                            heads[(head_tag(prefix, key, layer), suffix)] = values
-                            grids.setdefault(suffix, {}).setdefault(key, {})[name] = values
-            if self.num_pairs:
+        with fast_record_checksums(writer):
+            try:
+                made_of, heads, grids, logged = self._numbers(
+                    trainer, writer, per_loader, merged, prefix, drift, derived
+                )
+                if self.num_pairs:
+                    for out in made_of:
+                        self._tables(out)
+                if self.explorer_size is not None and not trainer.sanity_checking:
+                    for out in made_of:
+                        self._explore(out, trainer.current_epoch)
                 for out in made_of:
-                    self._tables(out)
-            if self.explorer_size is not None and not trainer.sanity_checking:
-                for out in made_of:
-                    self._explore(out, trainer.current_epoch)
-            for out in made_of:
-                self._draw(out)
-            log_heads(trainer, heads)
-            if writer is not None:
-                self._dashboard(writer, grids, logged, prefix, step)
-            finished = True
-        finally:
-            self.background.finish(raise_errors=finished)
+                    self._draw(out)
+                log_heads(trainer, heads)
+                if writer is not None:
+                    self._dashboard(writer, grids, logged, prefix, trainer.global_step)
+                finished = True
+            finally:
+                self.background.finish(raise_errors=finished)
         return derived
+
+    def _numbers(self, trainer, writer, per_loader, merged, prefix, drift, derived) -> tuple[list, dict, dict, dict]:
+        """Every module's (and dataloader's) scalars, logged; returns the views its tables and pictures are made of,
+        the per-head scalars ``(tag, suffix) -> (H,)``, the head grids ``suffix -> metric -> module -> (H,)`` and
+        ``metric -> the modules (tag names) logging it``."""
+        loaders = 1 + max(idx for _, idx in per_loader)
+        made_of: list[ModuleView] = []
+        heads: dict[tuple[str, str], Tensor] = {}
+        grids: dict[str, dict[str, dict[str, Tensor]]] = {}
+        logged: dict[str, list[str]] = {}
+        pl_module, step = trainer.lightning_module, trainer.global_step
+        for name, stats in merged.items():
+            # The combined view (a drift epoch's, kept by drift memory), then each dataloader's when several.
+            parts = [(stats, drift, "", derived if drift else None)]
+            if loaders > 1:
+                parts += [(per_loader[(name, k)], False, f"/dataloader_idx_{k}", None) for k in range(loaders)]
+            for part, is_drift, suffix, keep in parts:
+                where = dict(prefix=prefix, step=step, drift=is_drift, suffix=suffix, derived=keep)
+                summary = self.module(pl_module, writer, name, self.streams.of[name], part, views=made_of, **where)
+                if summary is None:
+                    continue
+                layer = name or "attention"
+                for key in summary.layer:
+                    if layer not in logged.setdefault(key, []):
+                        logged[key].append(layer)
+                if self.per_head:
+                    for key, values in summary.heads.items():
+                        heads[(head_tag(prefix, key, layer), suffix)] = values
+                        grids.setdefault(suffix, {}).setdefault(key, {})[name] = values
+        return made_of, heads, grids, logged
 
     def _dashboard(
         self,
@@ -377,34 +394,19 @@ class Reporter:
             self.background.text(out.writer, f"{out.prefix}_{kind}/{out.layer}{out.suffix}", table, out.step)
 
     def _explore(self, out: ModuleView, epoch: int) -> None:
-        """Hand the explorer's cut of this view to the writer thread (the cut itself is a copy: the sums may change
-        once the epoch end is over, the file is written before it is)."""
-        run_dir = _run_dir(out.writer)
-        if run_dir is None:
-            return
-        query_stream, key_stream = out.streams
+        """Hand the explorer's cut of this view (a copy, made here) to the writer thread."""
+        run_dir, view = _run_dir(out.writer), f"{out.prefix}/{out.layer}{out.suffix}"
+        where = dict(view=view, module=out.name, streams=out.streams, epoch=epoch, step=out.step)
         data = explorer_view(
-            view=f"{out.prefix}/{out.layer}{out.suffix}",
-            module=out.name,
-            streams=out.streams,
-            epoch=epoch,
-            step=out.step,
+            **where,
             stats=out.stats,
             mass=out.mass,
             per_head=self.per_head,
             size=self.explorer_size,
-            query_tokens=self.streams.tokens(query_stream),
-            key_tokens=self.streams.tokens(key_stream),
-            vocab_ids=tuple(self._vocab_ids(stream) for stream in out.streams),
-            query_labels=lambda ids: self.streams.label(ids, query_stream, max_length=None),
-            key_labels=lambda ids: self.streams.label(ids, key_stream, max_length=None),
+            tokens=self.streams,
         )
-        if data is not None:
+        if run_dir is not None and data is not None:
             self.background.submit(lambda: write_epoch(run_dir, **data))
-
-    def _vocab_ids(self, stream: str) -> list[int] | None:
-        tracked = self.streams.tracked.get(stream)
-        return None if tracked is None else tracked.tolist()
 
     def _probe_maps(self, name: str, layer: str, streams: tuple[str, str], prefix: str) -> dict[str, Any]:
         weights, ids = self.probe.weights.get(name), self.probe.ids

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ __all__ = [
     "BackgroundWriter",
     "add_image",
     "add_layout",
+    "fast_record_checksums",
     "log_heads",
     "log_layer",
     "png_bytes",
@@ -130,6 +132,32 @@ def _log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
     metrics = {**metrics, "epoch": trainer.current_epoch}
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
+
+
+@contextmanager
+def fast_record_checksums(writer: Any) -> Iterator[None]:
+    """While the epoch end writes, TensorBoard's record writer (``tensorboard.summary.writer.record_writer``, its
+    public module function ``masked_crc32c``) computes its checksums with :mod:`~attn_callbacks.output.checksum_numba`:
+    the same numbers, without holding the GIL, where its pure-Python CRC-32C took ~0.5 s of the stress workload's
+    ~1.3 s epoch end (``benchmarks/overhead.py``, old and new code on one machine). ``writer`` is flushed before the
+    function is put back, on every exit path, so that its thread has checksummed this epoch's records. Nothing changes
+    without numba, or for a writer that is not a torch ``SummaryWriter``."""
+    if not isinstance(writer, SummaryWriter) or not uses_numba("cpu"):
+        yield
+        return
+    from tensorboard.summary.writer import record_writer
+
+    from attn_callbacks.output.checksum_numba import masked_crc32c
+
+    original = record_writer.masked_crc32c
+    record_writer.masked_crc32c = masked_crc32c
+    try:
+        yield
+    finally:
+        try:
+            writer.flush()
+        finally:
+            record_writer.masked_crc32c = original
 
 
 def tensorboard_writer(trainer: Trainer) -> Any:
