@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tensorboard import program
+from tensorboard import default, program
 from tensorboard.backend import application
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from werkzeug.test import Client
 
 from attn_callbacks.explorer.data import write_epoch
+from attn_callbacks.explorer.plugin import ExplorerPlugin
 from attn_callbacks.output.explore import explorer_tokens
 
 ROUTE = "/data/plugin/attention_explorer"
@@ -66,7 +67,9 @@ def make_run(run: Path, modules: int, epochs: int, rng: np.random.Generator) -> 
 
 
 def tensorboard_client(logdir: Path) -> Client:
-    board = program.TensorBoard()
+    # TensorBoard's plugins with this one, whether or not an installed attn_callbacks registers it (PYTHONPATH runs)
+    plugins = [p for p in default.get_plugins() if p is not ExplorerPlugin] + [ExplorerPlugin]
+    board = program.TensorBoard(plugins=plugins)
     board.configure(argv=["", "--logdir", str(logdir), "--load_fast", "false"])
     provider, multiplexer = board._make_data_provider()  # what TensorBoard.launch() does first
     app = application.TensorBoardWSGIApp(
