@@ -25,10 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from attn_callbacks.base.config import short_repr
 from attn_callbacks.base.labels import label_tokens
 from attn_callbacks.metrics.drift import Snapshot, moved_tokens
 from attn_callbacks.metrics.summary import drift_between
-from attn_callbacks.output.export import EpochRecord, load_epoch, not_a_folder
+from attn_callbacks.output.epoch_files import not_a_folder
+from attn_callbacks.output.export import EpochRecord, load_epoch
 
 __all__ = ["main"]
 
@@ -246,10 +248,8 @@ def _check_labels(name: str, old: EpochRecord, new: EpochRecord, args: argparse.
             )
 
 
-def _cut(label: str | None, limit: int = 40) -> str:
-    if label is None:
-        return "missing"
-    return repr(label) if len(label) <= limit else repr(label[: limit - 1] + "…")
+def _cut(label: str | None) -> str:
+    return "missing" if label is None else short_repr(label, limit=40)
 
 
 def _labels(record: EpochRecord, module: str) -> tuple[list[str] | None, list[str] | None]:

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from attn_callbacks.capture.hooks import AttentionCapture, find_attention_modules, output_indices
 from attn_callbacks.options import MonitorOptions
-from attn_callbacks.output.export import discard, export_directory, export_epoch
+from attn_callbacks.output.epoch_files import discard, export_directory, export_epoch
 
 __all__ = ["AttentionMonitor"]
 

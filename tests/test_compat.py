@@ -201,7 +201,7 @@ def test_cli_compare_of_0_1_0_exports_finds_their_labels_equal(capsys):
 
 
 def test_export_names_of_0_1_0_are_what_the_default_prefix_still_writes():
-    from attn_callbacks.output.export import export_name
+    from attn_callbacks.output.epoch_files import export_name
 
     for name, values in EXPECTED["exports"].items():
         suffix = Path(name).suffix

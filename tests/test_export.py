@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 from attn_callbacks import AttentionMonitor, EpochRecord, export_graph, load_epoch, save_epoch
 from attn_callbacks import functional as F
 from attn_callbacks.__main__ import main
-from attn_callbacks.output.export import FORMAT_VERSION, check_export_dir, export_epoch, export_name
+from attn_callbacks.output.epoch_files import check_export_dir, export_epoch, export_name
+from attn_callbacks.output.export import FORMAT_VERSION
 from attn_callbacks.sums.accumulator import SUM_FIELDS, AttentionAccumulator, AttentionStats
 
 HEADS, BATCH, LENGTH = 2, 3, 5

@@ -36,6 +36,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from attn_callbacks.base.config import short_repr
 from attn_callbacks.explorer import queries
 from attn_callbacks.explorer.data import PLUGIN_NAME, ExplorerDataError, ExplorerEpoch, list_views, read_epoch
 
@@ -132,16 +133,18 @@ class ExplorerPlugin(base_plugin.TBPlugin):
         run = args.get("run")
         folders = self._run_dirs(request)
         if run not in folders:
-            raise _RequestError(404, f"no run named {_short(run)} in this TensorBoard")
+            raise _RequestError(404, f"no run named {short_repr(run)} in this TensorBoard")
         views = list_views(folders[run])
         view = args.get("view")
         if view not in views:
-            raise _RequestError(404, f"run {_short(run)} has no explorer data for view {_short(view)}")
+            raise _RequestError(404, f"run {short_repr(run)} has no explorer data for view {short_repr(view)}")
         epochs = views[view]
         epoch, step = _integer(args, "epoch"), _integer(args, "step", required=False)
         matches = [i for i, (e, s, _) in enumerate(epochs) if e == epoch and (step is None or s == step)]
         if not matches:
-            raise _RequestError(404, f"view {_short(view)} of run {_short(run)} has no epoch {epoch} (step {step})")
+            raise _RequestError(
+                404, f"view {short_repr(view)} of run {short_repr(run)} has no epoch {epoch} (step {step})"
+            )
         index = matches[-1]
         e, s, version = epochs[index]
         return folders[run], view, epochs, index, read_epoch(folders[run], view, e, s), args.get("v") == str(version)
@@ -205,12 +208,6 @@ class ExplorerPlugin(base_plugin.TBPlugin):
         return result, False  # a later epoch changes it
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """A cut repr for messages: a request may carry anything."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _integer(args: Any, name: str, required: bool = True) -> int | None:
     value = args.get(name)
     if value is None or value == "":
@@ -220,14 +217,14 @@ def _integer(args: Any, name: str, required: bool = True) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise _RequestError(400, f"parameter {name!r} must be an integer, got {_short(value)}") from None
+        raise _RequestError(400, f"parameter {name!r} must be an integer, got {short_repr(value)}") from None
 
 
 def _side(args: Any) -> str | None:
     """``query`` or ``key`` (the axis a cross-attention token id belongs to), or None for both."""
     side = args.get("side") or None
     if side not in (None, "query", "key"):
-        raise _RequestError(400, f"side must be 'query' or 'key', got {_short(side)}")
+        raise _RequestError(400, f"side must be 'query' or 'key', got {short_repr(side)}")
     return side
 
 

@@ -13,7 +13,7 @@ import torch
 from attn_callbacks.base.files import write_atomically
 from attn_callbacks.metrics.summary import in_degree
 from attn_callbacks.metrics.tables import pagerank
-from attn_callbacks.output.export import not_a_folder
+from attn_callbacks.output.epoch_files import not_a_folder
 from attn_callbacks.sums.accumulator import AttentionStats
 
 __all__ = ["export_graph"]
