@@ -6,9 +6,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 from torch.overrides import TorchFunctionMode
-from torch.utils.data import DataLoader, TensorDataset
 
-from attn_callbacks.base.private_api import epoch_end_step, fresh_iterator, remove_function_mode
+from attn_callbacks.base.private_api import epoch_end_step, remove_function_mode
 
 
 class Tag(TorchFunctionMode):
@@ -54,11 +53,3 @@ def test_epoch_end_step_is_the_step_lightning_logs_epoch_metrics_at(tmp_path):
     header = logged[0]
     rows = [dict(zip(header, row, strict=True)) for row in logged[1:]]
     assert [int(row["step"]) for row in rows if row.get("probe")] == steps == [2, 5]
-
-
-def test_fresh_iterator_is_independent_of_a_persistent_workers_iterator():
-    loader = DataLoader(TensorDataset(torch.arange(6)), batch_size=2, num_workers=1, persistent_workers=True)
-    running = iter(loader)
-    first = next(running)
-    assert [int(batch[0][0]) for batch in fresh_iterator(loader)] == [0, 2, 4]
-    assert int(first[0][0]) == 0 and int(next(running)[0][0]) == 2  # the running iterator went on undisturbed

@@ -4,9 +4,10 @@ from collections import namedtuple
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from attn_callbacks.base.config import resolve_vocab_sizes, stream_getters
-from attn_callbacks.capture.streams import Streams, check_ids_in_range, read_stream
+from attn_callbacks.capture.streams import Streams, check_ids_in_range, own_iterator, read_stream
 from attn_callbacks.capture.wiring import resolve_streams
 
 
@@ -211,3 +212,26 @@ def test_streams_uint64_ids_past_int64_match_no_ignore_id_and_are_refused_as_the
     assert _read(Streams("x", 10, ignore_ids=[-100], validate_args=False), ids)[1].tolist() == [[True, True]]
     with pytest.raises(ValueError, match=f"Token id {2**64 - 100} of stream 'tokens' is outside"):
         _read(Streams("x", 10, ignore_ids=[-100]), ids)
+
+
+class Counting(IterableDataset):
+    def __iter__(self):
+        return iter(range(5))
+
+
+def test_own_iterator_leaves_a_persistent_workers_iterator_undisturbed():
+    loader = DataLoader(TensorDataset(torch.arange(6)), batch_size=2, num_workers=1, persistent_workers=True)
+    running = iter(loader)
+    first = next(running)
+    assert [batch[0].tolist() for batch in own_iterator(loader)] == [[0, 1], [2, 3], [4, 5]]
+    assert first[0].tolist() == [0, 1] and next(running)[0].tolist() == [2, 3]  # went on where it was
+    assert [b[0].tolist() for b in own_iterator(loader)] == [[0, 1], [2, 3], [4, 5]]  # a new pass each time
+
+
+def test_own_iterator_keeps_iterable_and_unbatched_loaders_batches():
+    iterable = DataLoader(Counting(), batch_size=2, drop_last=True, num_workers=1, persistent_workers=True)
+    assert [batch.tolist() for batch in own_iterator(iterable)] == [[0, 1], [2, 3]]
+    unbatched = DataLoader(TensorDataset(torch.arange(3)), batch_size=None, num_workers=1, persistent_workers=True)
+    assert [int(sample[0]) for sample in own_iterator(unbatched)] == [0, 1, 2]
+    plain = [[0, 1], [2]]  # anything iterable, as a batch limit or a plain list of batches
+    assert list(own_iterator(plain)) == plain

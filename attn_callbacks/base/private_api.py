@@ -4,13 +4,12 @@ checks each one against the installed versions, so a release that changes them f
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["epoch_end_step", "fresh_iterator", "remove_function_mode"]
+__all__ = ["epoch_end_step", "remove_function_mode"]
 
 
 def remove_function_mode(mode: TorchFunctionMode) -> None:
@@ -29,12 +28,3 @@ def epoch_end_step(trainer: Any) -> int:
     """The step Lightning logs epoch-end metrics at (its logger connector reads this counter): ``global_step`` differs
     from it with several optimizer steps per batch, and by one at the end of a training epoch."""
     return getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-
-
-def fresh_iterator(loader: Any) -> Any:
-    """An iterator of its own over a dataloader: a persistent-workers ``DataLoader`` hands every ``iter()`` the same
-    iterator, which the running evaluation loop is using, so iterate a shallow copy without it."""
-    if isinstance(loader, torch.utils.data.DataLoader):
-        loader = copy.copy(loader)
-        loader._iterator = None
-    return iter(loader)

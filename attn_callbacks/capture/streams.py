@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, IterableDataset
 
 from attn_callbacks.base.config import (
     TokenSource,
@@ -25,7 +26,6 @@ from attn_callbacks.base.config import (
     stream_getters,
 )
 from attn_callbacks.base.labels import MAX_LABEL, OTHER_LABEL, label_tokens
-from attn_callbacks.base.private_api import fresh_iterator
 from attn_callbacks.capture import hf
 from attn_callbacks.capture.wiring import first_rule, resolve_streams
 
@@ -38,6 +38,7 @@ __all__ = [
     "check_ids_in_range",
     "compact_index",
     "most_frequent_ids",
+    "own_iterator",
     "read_stream",
 ]
 
@@ -251,7 +252,7 @@ class Streams:
         device = strategy.root_device
         counts = {s: torch.zeros(self.vocab[s] + 1, dtype=torch.long, device=device) for s in pending}
         for loader, limit in zip(_as_list(loaders), limits, strict=False):
-            for index, batch in enumerate(fresh_iterator(loader)):
+            for index, batch in enumerate(own_iterator(loader)):
                 if index >= limit:
                     break
                 for stream in pending:
@@ -413,6 +414,30 @@ def compact_index(tracked: Tensor, vocab_size: int) -> Tensor:
     table = torch.full((vocab_size,), len(tracked), dtype=torch.long)
     table[tracked] = torch.arange(len(tracked))
     return table
+
+
+def own_iterator(loader: Any) -> Any:
+    """An iterator of its own over a dataloader. A persistent-workers ``DataLoader`` hands every ``iter()`` the one
+    iterator it keeps, the evaluation loop's: this iterates a new loader over the same dataset, batches and collation,
+    whose workers stop when it is done."""
+    if not (isinstance(loader, DataLoader) and loader.persistent_workers and loader.num_workers > 0):
+        return iter(loader)
+    if isinstance(loader.dataset, IterableDataset):
+        batching: dict[str, Any] = {"batch_size": loader.batch_size, "drop_last": loader.drop_last}
+    elif loader.batch_sampler is not None:
+        batching = {"batch_sampler": loader.batch_sampler}
+    else:  # automatic batching off: one sample at a time
+        batching = {"batch_size": None, "sampler": loader.sampler}
+    workers = {
+        "num_workers": loader.num_workers,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "prefetch_factor": loader.prefetch_factor,
+        "timeout": loader.timeout,
+    }
+    return iter(
+        DataLoader(loader.dataset, collate_fn=loader.collate_fn, generator=loader.generator, **batching, **workers)
+    )
 
 
 def _as_list(loaders: Any) -> list[Any]:
