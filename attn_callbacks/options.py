@@ -103,6 +103,11 @@ class MonitorOptions:
         explorer_size: the most bytes one module's explorer file may take per epoch (a number or a string such as
             ``"2MB"``); it sets how many of the most frequent tokens are kept, ``n`` with
             ``(heads + 3) * n² * 4 <= explorer_size`` (self-attention): about 200 tokens for 8 heads at the default.
+        compile_step: compute each batch's masks, ``U``, row statistics and position sums with ``torch.compile``
+            (fused kernels; the scatters into the sums stay eager) wherever the torch step runs: on GPUs, and on CPU
+            only with ``ATTN_CALLBACKS_NUMBA=0`` (numba's kernel runs there otherwise). The first batch compiles,
+            a later change of length compiles once more with dynamic shapes; a compile error falls back to the eager
+            step with one warning. The same sums up to float rounding. Off by default: not yet measured on a GPU.
 
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view). Every argument can
@@ -156,6 +161,7 @@ class MonitorOptions:
         limit_batches: int | None = None,
         explorer: bool = True,
         explorer_size: int | float | str = "2MB",
+        compile_step: bool = False,
     ) -> None:
         self._streams = Streams(
             token_ids,
@@ -194,9 +200,10 @@ class MonitorOptions:
         self.limit_batches = None if limit_batches is None else config.positive_int("limit_batches", limit_batches)
         self.explorer = config.flag("explorer", explorer)
         self.explorer_size = config.parse_bytes("explorer_size", explorer_size)
+        self.compile_step = config.flag("compile_step", compile_step)
 
         self._probe = Probe(probe, probe_forward, self.probe_samples)
-        self._sums = EpochSums(self.per_head, self.memory_budget)
+        self._sums = EpochSums(self.per_head, self.memory_budget, self.compile_step)
         self._schedule = Schedule(self.log_every_n_epochs, self.log_sanity_check, self.limit_batches)
         self._drift = DriftMemory(drift_reference_epoch, self.log_every_n_epochs)
         self._report = Reporter(

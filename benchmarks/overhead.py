@@ -17,8 +17,9 @@ untimed floor epoch: the allocator, once that monitor's memory is freed, hands t
 - floor: every attention module forced to return weights (SDPA calls: seen and their weights recomputed), each weight
   read once (``weights.sum()``): what any capture pays, since a stock layer loses PyTorch's fused fast path and an
   SDPA call's weights must be computed again;
-- monitor (per head, the default), monitor ``per_head=False`` and monitor ``explorer=False`` (``--configs
-  per-head,no-explorer`` gives what the Attention tab's data costs the epoch end): steady, a monitor past its first
+- monitor (per head, the default), monitor ``per_head=False``, monitor ``explorer=False`` (``--configs
+  per-head,no-explorer`` gives what the Attention tab's data costs the epoch end) and monitor ``compile_step=True``
+  (``--configs per-head,compiled``: the compiled step against the eager one, on a GPU): steady, a monitor past its first
   three epochs (tracked ids chosen, figures drawn, drift memory full), epoch end included, the model's weights nudged
   before each of its epochs as a training step would change them (so that drift compares rows that moved); cold, a fresh
   monitor's first epoch, set-up, the tracked-id pass and the sums' allocation included (loading the compiled kernels
@@ -121,6 +122,7 @@ CONFIGS = {
     "per-head": ("monitor", {}),
     "mean": ("monitor per_head=False", {"per_head": False}),
     "no-explorer": ("monitor explorer=False", {"explorer": False}),
+    "compiled": ("monitor compile_step=True", {"compile_step": True}),
 }
 
 

@@ -158,6 +158,7 @@ class AttentionAccumulator(SummedMetric):
         key_valid: Tensor,
         pairs: Tensor | None = None,
         hot_cell: int | None = None,
+        compiled: bool = False,
     ) -> None:
         """Add one batch of weights ``(B, H, Lq, Lk)`` with the ``(B, Lq)`` / ``(B, Lk)`` ids and validity of its
         queries and keys (ids in ``[0, Vq)`` / ``[0, Vk)`` at valid positions).
@@ -165,7 +166,7 @@ class AttentionAccumulator(SummedMetric):
         ``pairs`` is :func:`attn_callbacks.functional.pair_index` of the ids, when the caller already has it (it
         depends on the ids only, so modules reading the same streams can share it); computed from the ids when the
         torch kernel needs it. The numba kernel (on CPU, see :func:`attn_callbacks.base.numba_loader.uses_numba`) reads
-        the ids instead. ``hot_cell``: see :func:`attn_callbacks.sums.step.accumulate_attention`.
+        the ids instead. ``hot_cell`` and ``compiled``: see :func:`attn_callbacks.sums.step.accumulate_attention`.
         """
         if self.summed_in_place:
             raise RuntimeError(
@@ -186,6 +187,7 @@ class AttentionAccumulator(SummedMetric):
             key_valid,
             key_ids=key_ids,
             hot_cell=hot_cell,
+            compiled=compiled,
         )
         self.skipped_rows += skipped
 
@@ -247,11 +249,13 @@ class EpochSums:
     Args:
         per_head: keep ``S`` per head (else the mean of the heads only).
         memory_budget: the most bytes of sums per device, or None for no limit.
+        compile_step: run the torch step's per-batch terms through ``torch.compile``.
     """
 
-    def __init__(self, per_head: bool = True, memory_budget: int | None = None) -> None:
+    def __init__(self, per_head: bool = True, memory_budget: int | None = None, compile_step: bool = False) -> None:
         self.per_head = per_head
         self.memory_budget = memory_budget
+        self.compile_step = compile_step
         self.metrics: dict[tuple[str, int], AttentionAccumulator] = {}
         self.loaders = 1  # dataloaders of the epoch being monitored
         self._pairs: dict[tuple, Tensor] = {}  # this batch's pair index per (query, key) stream and rows
@@ -375,7 +379,9 @@ class EpochSums:
                 pairs = pair_index(query[0], key[0], query[1], key[1], metric.query_vocab_size, metric.key_vocab_size)
                 self._pairs[where] = pairs
         hot_cell = None if other is None else other[0] * metric.key_vocab_size + other[1]
-        metric.update(weights, query[0], key[0], query[1], key[1], pairs=pairs, hot_cell=hot_cell)
+        metric.update(
+            weights, query[0], key[0], query[1], key[1], pairs=pairs, hot_cell=hot_cell, compiled=self.compile_step
+        )
 
     def agree(self, device: torch.device) -> dict[str, tuple[int, int, int]]:
         """Under DDP, give every process the sums that any process allocated mid-epoch (zeroed where it never saw that
