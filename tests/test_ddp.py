@@ -17,10 +17,11 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from _callback_helpers import TinyEncoder, make_batches
 from _reference import copied, returned
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader
@@ -369,3 +370,24 @@ def test_fsdp2_model_parallel_strategy_matches_single_process(spawn_runs, tmp_pa
 
 if __name__ == "__main__":  # rank 0 of the subprocess-launched tests above, and rank 1 re-run
     fit(sys.argv[1], sys.argv[3], WORLD, reference=sys.argv[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDPStrategy needs a CUDA device")
+def test_fsdp_strategy_on_one_gpu_logs_the_plain_models_values(tmp_path):
+    """FSDP (v1) wrapping each encoder layer: the same scalars under the same tags (no ``_fsdp_wrapped_module``)."""
+    logged = {}
+    for name, strategy in (("plain", "auto"), ("fsdp", FSDPStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}))):
+        torch.manual_seed(0)
+        monitor = AttentionMonitor(vocab_size=12, ignore_ids=[0], num_pairs=0, top_k=5)
+        trainer = Trainer(
+            default_root_dir=tmp_path, accelerator="gpu", devices=1, strategy=strategy, callbacks=[monitor],
+            logger=TensorBoardLogger(tmp_path, name=name), enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.validate(TinyEncoder(), DataLoader(make_batches(), batch_size=None), verbose=False)
+        events = EventAccumulator(str(tmp_path / name / "version_0"), size_guidance={SCALARS: 0})
+        events.Reload()
+        logged[name] = {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
+    assert len(logged["plain"]) > 20 and logged["fsdp"].keys() == logged["plain"].keys()
+    assert not any("_fsdp_wrapped_module" in tag for tag in logged["fsdp"])
+    for tag, value in logged["plain"].items():
+        assert logged["fsdp"][tag] == pytest.approx(value, rel=1e-5, abs=1e-6), tag
