@@ -1,38 +1,11 @@
-"""The private attributes of torch and Lightning that attn_callbacks/base/private_api.py reads, checked against the
-installed versions: when a release changes one, these fail here first."""
+"""The private attribute of Lightning that attn_callbacks/base/private_api.py reads, checked against the installed
+version: when a release changes it, this fails here first."""
 
-import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
-from torch.overrides import TorchFunctionMode
 
-from attn_callbacks.base.private_api import epoch_end_step, remove_function_mode
-
-
-class Tag(TorchFunctionMode):
-    def __init__(self, seen, name):
-        super().__init__()
-        self.seen, self.name = seen, name
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.seen.append(self.name)
-        return func(*args, **(kwargs or {}))
-
-
-def test_remove_function_mode_keeps_the_modes_entered_after_it():
-    seen, x = [], torch.ones(1)
-    lower, upper = Tag(seen, "lower"), Tag(seen, "upper")
-    lower.__enter__()
-    upper.__enter__()
-    remove_function_mode(lower)
-    x.add(1)
-    assert seen == ["upper"]
-    upper.__exit__(None, None, None)  # pops upper, the top: the stack is as it was before either
-    seen.clear()
-    x.add(1)
-    assert seen == []
-    remove_function_mode(lower)  # not on the stack: nothing to do
+from attn_callbacks.base.private_api import epoch_end_step
 
 
 def test_epoch_end_step_is_the_step_lightning_logs_epoch_metrics_at(tmp_path):

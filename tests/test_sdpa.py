@@ -407,18 +407,28 @@ def test_causal_bias_masks_are_read_as_the_booleans_they_stand_for():
     torch.testing.assert_close(w @ v, out, atol=1e-6, rtol=1e-6)
 
 
-def test_the_watch_leaves_the_mode_stack_by_identity_stays_out_of_compiled_tracing():
-    model = TinyGPT()
-    capture = AttentionCapture(find_attention_modules(model), lambda *call: None).attach()
-    other = torch.overrides.TorchFunctionMode()
+class PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_watch_is_on_the_mode_stack_only_inside_watched_forwards_stays_out_of_compiled_tracing():
+    model, seen, stacks = TinyGPT(), [], []
+    model.blocks[0].register_forward_hook(lambda *_: stacks.append(torch.overrides._get_current_function_mode_stack()))
+    capture = AttentionCapture(find_attention_modules(model), lambda *call: seen.append(call[0])).attach()
+    other = PassThrough()
     try:
         capture.start_watching()
-        other.__enter__()  # a mode of the user's, entered after ours and left after ours
+        other.__enter__()  # a mode of the user's, entered after the watch started and left after it stopped
+        with torch.no_grad():
+            model(torch.zeros(1, 3, dtype=torch.long))
         capture.stop_watching()
         assert torch.overrides._get_current_function_mode_stack() == [other]
         other.__exit__(None, None, None)
     finally:
         capture.detach()
+    assert seen == ["blocks.0.attn", "blocks.1.attn"]
+    assert stacks == [[other]]  # between the attention modules' forwards, only the user's mode
     assert not torch.overrides._get_current_function_mode_stack()
     # Traced by dynamo while watching (no eager stance held): no frames to walk, nothing read, no error.
     compiled = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="eager", fullgraph=True)

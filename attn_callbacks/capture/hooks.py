@@ -9,8 +9,8 @@ detaching restores it and removes every hook, on every exit path.
 Hugging Face attention modules (see :mod:`attn_callbacks.capture.hf`) return their weights by themselves when the model
 runs eager attention: a forward hook alone reads them, and everything downstream is the same. Modules that call
 ``torch.nn.functional.scaled_dot_product_attention`` (Hugging Face ones run with ``attn_implementation="sdpa"``
-included) are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch` instead, around each batch
-(:meth:`AttentionCapture.watching`).
+included) are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch` instead, a watch per batch
+(:meth:`AttentionCapture.watching`), entered while each of their forwards runs.
 """
 
 from __future__ import annotations
@@ -216,7 +216,9 @@ class AttentionCapture:
         }
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
-        self._watch: SdpaWatch | None = None  # the entered watch over SDPA calls, while watching
+        self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
+        self._entered: SdpaWatch | None = None  # the watch on torch's mode stack, while a watched forward runs
+        self._depth = 0  # watched forwards running inside each other, while one entered the watch
         self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # calls per module, until reset_calls()
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
         self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
@@ -228,6 +230,8 @@ class AttentionCapture:
             "_handles": [],
             "_held": [],
             "_watch": None,
+            "_entered": None,
+            "_depth": 0,
             "_requested": defaultdict(list),
         }
 
@@ -262,6 +266,11 @@ class AttentionCapture:
                     self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
                 elif name not in self.watched:
                     self._handles.append(module.register_forward_hook(_never_traced(self._read_hook(name))))
+                else:  # the watch is entered around the forward only, and left however the forward ends
+                    self._handles.append(module.register_forward_pre_hook(_never_traced(self._enter_watch)))
+                    self._handles.append(
+                        module.register_forward_hook(_never_traced(self._leave_watch), always_call=True)
+                    )
         except BaseException:
             self.detach()
             raise
@@ -284,18 +293,31 @@ class AttentionCapture:
         self.detach()
 
     def start_watching(self) -> None:
-        """See the SDPA calls of the watched modules from now on (a ``TorchFunctionMode`` entered on this thread), the
-        calls of each numbered from 0 again; a no-op without watched modules or when already watching."""
+        """See the SDPA calls of the watched modules from now on, the calls of each numbered from 0 again: a
+        ``TorchFunctionMode`` that the watched modules' hooks enter while their forward runs (modes of the user's
+        entered around it nest as usual); a no-op without watched modules or when already watching."""
         if self.watched and self._watch is None:
-            watch = SdpaWatch(self.watched, self._watched_call)
-            watch.__enter__()
-            self._watch = watch
+            self._watch = SdpaWatch(self.watched, self._watched_call)
 
     def stop_watching(self) -> None:
-        """Leave the watch entered by :meth:`start_watching`, if any."""
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.leave()
+        """Stop seeing SDPA calls (a forward already running keeps the watch until it returns)."""
+        self._watch = None
+
+    def _enter_watch(self, module: nn.Module, args: tuple) -> None:
+        if self._depth == 0:
+            if self._watch is None:
+                return
+            self._watch.__enter__()
+            self._entered = self._watch
+        self._depth += 1
+
+    def _leave_watch(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._depth == 0:  # a forward that began before the watch did
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            entered, self._entered = self._entered, None
+            entered.__exit__(None, None, None)
 
     @contextmanager
     def watching(self) -> Iterator[AttentionCapture]:

@@ -14,9 +14,10 @@ The weights are computed in float32 (float64 for float64 inputs), a few samples 
 
 A call belongs to the innermost watched module whose method made it (the frames of the call are walked up to it):
 modules whose code calls the function (:func:`calls_sdpa`), and Hugging Face attention modules run with
-``attn_implementation="sdpa"``, whose calls go through ``transformers``' own helpers. Calls are numbered per module
-from the watch's entry on (one watch per batch), so that a module calling it several times per batch can name them
-apart.
+``attn_implementation="sdpa"``, whose calls go through ``transformers``' own helpers. The monitor enters the mode only
+while a watched module's forward runs (:class:`attn_callbacks.capture.hooks.AttentionCapture`), so the rest of the
+model's ops never pass through it. Calls are numbered per module from the watch's making on (one watch per batch), so
+that a module calling it several times per batch can name them apart.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
-
-from attn_callbacks.base.private_api import remove_function_mode
 
 __all__ = ["CHUNK_BYTES", "SdpaWatch", "calls_sdpa", "sdpa_weights", "unreadable_attention"]
 
@@ -174,11 +173,6 @@ class SdpaWatch(TorchFunctionMode):
         self.consumer = consumer
         self.chunk_bytes = chunk_bytes
         self.calls: dict[str, int] = {}  # calls per watched module since this watch was made
-
-    def leave(self) -> None:
-        """Take this mode off the function-mode stack, wherever it is: a mode entered after it and still on the stack
-        (by a hook of the user's running between ours) stays there, in its place."""
-        remove_function_mode(self)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
