@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _callback_helpers import PAD, VOCAB, TinyEncoder, loaders, no_hooks, trainer
-from lightning.pytorch import seed_everything
+from lightning.pytorch import Callback, seed_everything
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
 
 import attn_callbacks.output.drawing as drawing
@@ -20,6 +20,13 @@ from attn_callbacks.output.writer import png_bytes
 
 LABELS = [f"t{i}" for i in range(6)]
 BROKEN = FigureJob("heatmap", (np.zeros(3), [], [], "a vector is no heatmap", "P"), {})
+
+
+class BrokenJobs(FigureJobs):
+    """Every picture a job the drawing process fails on."""
+
+    def __getattr__(self, method):
+        return lambda *args, **kwargs: BROKEN
 
 
 def children():
@@ -136,19 +143,16 @@ def test_drawing_process_killed_is_an_error_not_a_hang():
     process.submit(FigureJobs().heatmap(np.eye(6), LABELS, LABELS, "t", "P"), lambda *a: None)
     assert process.wait(120)
     process._process.kill()
-    process.submit(FigureJobs().heatmap(np.eye(6), LABELS, LABELS, "t", "P"), lambda *a: None)
-    assert process.wait(30)  # the receiving thread saw it go
-    with pytest.raises(RuntimeError, match=r"exited with code -9 with 1 picture\(s\) not drawn"):
-        process.check()
+    receiving = process._threads[1]
+    receiving.join(30)  # it saw the process go
+    assert not receiving.is_alive()
+    with pytest.raises(RuntimeError, match=r"exited with code -9 with 0 picture\(s\) not drawn"):
+        process.submit(FigureJobs().heatmap(np.eye(6), LABELS, LABELS, "t", "P"), lambda *a: None)
     assert process.stop() == 0 and process.pid not in children()
 
 
 def test_drawing_error_in_the_process_is_raised_at_teardown_with_its_traceback(tmp_path, monkeypatch):
-    class Broken(FigureJobs):
-        def __getattr__(self, method):
-            return lambda *args, **kwargs: BROKEN
-
-    monkeypatch.setattr(drawing, "FigureJobs", Broken)
+    monkeypatch.setattr(drawing, "FigureJobs", BrokenJobs)
     model = TinyEncoder()
     monitor = AttentionMonitor(VOCAB, "input_ids", draw_in_background=True)
     with pytest.raises(RuntimeError, match=r"(?s)AttentionMonitor: the background drawing process failed.*Traceback"):
@@ -157,17 +161,19 @@ def test_drawing_error_in_the_process_is_raised_at_teardown_with_its_traceback(t
 
 
 def test_drawing_error_is_raised_at_the_next_hook_of_a_fit(tmp_path, monkeypatch):
-    class Broken(FigureJobs):
-        def __getattr__(self, method):
-            return lambda *args, **kwargs: BROKEN
-
-    monkeypatch.setattr(drawing, "FigureJobs", Broken)
+    monkeypatch.setattr(drawing, "FigureJobs", BrokenJobs)
     model = TinyEncoder()
     monitor = AttentionMonitor(VOCAB, "input_ids", draw_in_background=True)
-    t = trainer(tmp_path, [monitor], max_epochs=4, num_sanity_val_steps=0)
-    with pytest.raises(RuntimeError, match=r"(?s)background drawing process failed.*pcolormesh"):
+
+    class Drawn(Callback):  # after the monitor's: the first epoch's pictures are back before training goes on
+        def on_validation_epoch_end(self, trainer, pl_module):
+            assert monitor._report.drawing.process.wait(120)
+
+    t = trainer(tmp_path, [monitor, Drawn()], max_epochs=4, num_sanity_val_steps=0)
+    with pytest.raises(RuntimeError, match=r"(?s)background drawing process failed.*pcolormesh") as raised:
         t.fit(model, *loaders())
-    assert t.current_epoch <= 2  # the first epoch's error stopped the fit at a hook, not at its teardown
+    assert t.current_epoch == 1  # raised at the next validation epoch's start, not at teardown
+    assert "on_validation_epoch_start" in [entry.name for entry in raised.traceback]
     assert no_hooks(model) and children() == []
 
 
