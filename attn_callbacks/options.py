@@ -108,8 +108,9 @@ class MonitorOptions:
             global rank 0, with a TensorBoard logger; numpy and matplotlib, no torch), so that the epoch end returns
             once the statistics are logged and the pictures handed off; each picture is logged at its epoch's step
             when drawn, the same bytes as drawn in process. Its errors are raised, with its traceback, at the next
-            epoch end or at ``teardown``, which waits for the pictures still being drawn. None: on when the Trainer's
-            device is not the CPU (on the CPU the process takes cores from training: ``docs/performance.md``).
+            validation epoch or at ``teardown``, which waits for the pictures still being drawn. None: on when the
+            Trainer's device is not the CPU (on the CPU the process takes cores from training:
+            ``docs/performance.md``).
 
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view). Every argument can

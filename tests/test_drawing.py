@@ -43,6 +43,25 @@ def children():
     return found
 
 
+@pytest.fixture
+def started(monkeypatch):
+    """Every DrawingProcess the test starts."""
+    processes = []
+    init = drawing.DrawingProcess.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        processes.append(self)
+
+    monkeypatch.setattr(drawing.DrawingProcess, "__init__", spy)
+    return processes
+
+
+def gone(processes):
+    """Each process started, and none of them is still a child of this one (running, or a zombie not reaped)."""
+    return bool(processes) and not {p.pid for p in processes} & set(children())
+
+
 def images(log_dir):
     """tag -> [(step, PNG bytes)] of every image in the event files under ``log_dir``."""
     events = EventAccumulator(str(log_dir), size_guidance={IMAGES: 0})
@@ -62,7 +81,7 @@ def fit(tmp_path, name, background, **kwargs):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_drawing_process_logs_the_same_png_bytes_as_drawing_in_process(tmp_path, monkeypatch):
+def test_drawing_process_logs_the_same_png_bytes_as_drawing_in_process(tmp_path, monkeypatch, started):
     sent = []
     submit = drawing.DrawingProcess.submit
     monkeypatch.setattr(drawing.DrawingProcess, "submit", lambda self, *args: sent.append(submit(self, *args)))
@@ -76,7 +95,7 @@ def test_drawing_process_logs_the_same_png_bytes_as_drawing_in_process(tmp_path,
     for tag, logged in drawn_here.items():
         assert [step for step, _ in logged] == [step for step, _ in drawn_away[tag]], tag
         assert all(a == b for (_, a), (_, b) in zip(logged, drawn_away[tag], strict=True)), tag
-    assert monitor._report.drawing.process is None and children() == []
+    assert monitor._report.drawing.process is None and len(started) == 1 and gone(started)
     assert isinstance(monitor._report.images.figures, FigureCache)  # drawing in process again
 
 
@@ -151,16 +170,16 @@ def test_drawing_process_killed_is_an_error_not_a_hang():
     assert process.stop() == 0 and process.pid not in children()
 
 
-def test_drawing_error_in_the_process_is_raised_at_teardown_with_its_traceback(tmp_path, monkeypatch):
+def test_drawing_error_in_the_process_is_raised_at_teardown_with_its_traceback(tmp_path, monkeypatch, started):
     monkeypatch.setattr(drawing, "FigureJobs", BrokenJobs)
     model = TinyEncoder()
     monitor = AttentionMonitor(VOCAB, "input_ids", draw_in_background=True)
     with pytest.raises(RuntimeError, match=r"(?s)AttentionMonitor: the background drawing process failed.*Traceback"):
         trainer(tmp_path, [monitor]).validate(model, loaders()[1], verbose=False)
-    assert no_hooks(model) and monitor._report.drawing.process is None and children() == []
+    assert no_hooks(model) and monitor._report.drawing.process is None and gone(started)
 
 
-def test_drawing_error_is_raised_at_the_next_hook_of_a_fit(tmp_path, monkeypatch):
+def test_drawing_error_is_raised_at_the_next_hook_of_a_fit(tmp_path, monkeypatch, started):
     monkeypatch.setattr(drawing, "FigureJobs", BrokenJobs)
     model = TinyEncoder()
     monitor = AttentionMonitor(VOCAB, "input_ids", draw_in_background=True)
@@ -174,13 +193,13 @@ def test_drawing_error_is_raised_at_the_next_hook_of_a_fit(tmp_path, monkeypatch
         t.fit(model, *loaders())
     assert t.current_epoch == 1  # raised at the next validation epoch's start, not at teardown
     assert "on_validation_epoch_start" in [entry.name for entry in raised.traceback]
-    assert no_hooks(model) and children() == []
+    assert no_hooks(model) and gone(started)
 
 
-def test_drawing_exception_in_fit_stops_the_process(tmp_path):
+def test_drawing_exception_in_fit_stops_the_process(tmp_path, started):
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], draw_in_background=True)
     model = TinyEncoder(fail_in_validation=True)
     with pytest.raises(RuntimeError, match="validation failed"):
         trainer(tmp_path, [monitor], num_sanity_val_steps=0).fit(model, *loaders())
-    assert no_hooks(model) and monitor._report.drawing.process is None and children() == []
+    assert no_hooks(model) and monitor._report.drawing.process is None and gone(started)
     assert isinstance(monitor._report.images.figures, FigureCache)
