@@ -62,6 +62,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             raise MisconfigurationException(f"AttentionMonitor: {err}") from err
         self._check_prefixes(trainer)
         self._sums.check_budget(self._shapes(), loaders=1)  # fails before training; again with the real loaders
+        self._report.drawing.start(trainer, self.draw_in_background)  # its start-up overlaps the sanity pass
 
     @override
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -80,6 +81,7 @@ class AttentionMonitor(MonitorOptions, Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._report.drawing.check()  # the last epoch's pictures, drawn in the background
         if self._schedule.epoch(trainer):
             self._start(trainer, self.prefix)
 
@@ -163,10 +165,12 @@ class AttentionMonitor(MonitorOptions, Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._release()
         self._reset_sums()
+        self._report.drawing.stop(abort=True)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release()
+        self._report.drawing.stop()  # after the pictures still being drawn; raises its error
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -230,20 +234,6 @@ class AttentionMonitor(MonitorOptions, Callback):
         loaders = len(trainer.num_val_batches or [])
         if self._capture is not None and loaders > 1:
             self._sums.check_budget(self._shapes(), loaders=loaders)
-
-    def _check_prefixes(self, trainer: Trainer) -> None:
-        """Refuse two monitors of one Trainer that would write the same tags (a test epoch's are ``{prefix}_test``)."""
-        mine = {self.prefix, f"{self.prefix}_test"} if self.monitor_test else {self.prefix}
-        for other in trainer.callbacks:
-            if other is self or not isinstance(other, AttentionMonitor):
-                continue
-            theirs = {other.prefix, f"{other.prefix}_test"} if other.monitor_test else {other.prefix}
-            if mine & theirs:
-                raise MisconfigurationException(
-                    f"AttentionMonitor: two monitors of this Trainer would both write the tags of prefix "
-                    f"{sorted(mine & theirs)[0]!r} (prefix={self.prefix!r}, monitor_test={self.monitor_test} and "
-                    f"prefix={other.prefix!r}, monitor_test={other.monitor_test}); give them other `prefix` values."
-                )
 
     def _shapes(self) -> dict[str, tuple[int, int, int]]:
         """Every site's ``(H, Vq, Vk)`` as accumulated (a stream still to be tracked counts with its limit)."""

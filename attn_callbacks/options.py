@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from attn_callbacks.base import config
 from attn_callbacks.base.config import Tokenizer, TokenLookup, TokenSource
@@ -108,6 +109,13 @@ class MonitorOptions:
             only with ``ATTN_CALLBACKS_NUMBA=0`` (numba's kernel runs there otherwise). The first batch compiles,
             a later change of length compiles once more with dynamic shapes; a compile error falls back to the eager
             step with one warning. The same sums up to float rounding. Off by default: not yet measured on a GPU.
+        draw_in_background: draw the heatmaps and head grids in a process of their own (started at ``setup``, on
+            global rank 0, with a TensorBoard logger; numpy and matplotlib, no torch), so that the epoch end returns
+            once the statistics are logged and the pictures handed off; each picture is logged at its epoch's step
+            when drawn, the same bytes as drawn in process. Its errors are raised, with its traceback, at the next
+            validation epoch or at ``teardown``, which waits for the pictures still being drawn. None: on when the
+            Trainer's device is not the CPU (on the CPU the process takes cores from training:
+            ``docs/performance.md``).
 
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view). Every argument can
@@ -162,6 +170,7 @@ class MonitorOptions:
         explorer: bool = True,
         explorer_size: int | float | str = "2MB",
         compile_step: bool = False,
+        draw_in_background: bool | None = None,
     ) -> None:
         self._streams = Streams(
             token_ids,
@@ -201,6 +210,9 @@ class MonitorOptions:
         self.explorer = config.flag("explorer", explorer)
         self.explorer_size = config.parse_bytes("explorer_size", explorer_size)
         self.compile_step = config.flag("compile_step", compile_step)
+        self.draw_in_background = (
+            None if draw_in_background is None else config.flag("draw_in_background", draw_in_background)
+        )
 
         self._probe = Probe(probe, probe_forward, self.probe_samples)
         self._sums = EpochSums(self.per_head, self.memory_budget, self.compile_step)
@@ -224,6 +236,20 @@ class MonitorOptions:
         self._stage_prefix = self.prefix  # f"{prefix}_test" while a test epoch is monitored
         self._active = False  # this evaluation epoch is monitored (the hooks may be off for the batches past a limit)
         self._monitored_batches = 0  # batches of this epoch run with the hooks attached
+
+    def _check_prefixes(self, trainer: Any) -> None:
+        """Refuse two monitors of one Trainer that would write the same tags (a test epoch's are ``{prefix}_test``)."""
+        mine = {self.prefix, f"{self.prefix}_test"} if self.monitor_test else {self.prefix}
+        for other in trainer.callbacks:
+            if other is self or not isinstance(other, MonitorOptions):
+                continue
+            theirs = {other.prefix, f"{other.prefix}_test"} if other.monitor_test else {other.prefix}
+            if mine & theirs:
+                raise MisconfigurationException(
+                    f"AttentionMonitor: two monitors of this Trainer would both write the tags of prefix "
+                    f"{sorted(mine & theirs)[0]!r} (prefix={self.prefix!r}, monitor_test={self.monitor_test} and "
+                    f"prefix={other.prefix!r}, monitor_test={other.monitor_test}); give them other `prefix` values."
+                )
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.

@@ -1,12 +1,12 @@
 #!/bin/bash
 # The GPU checks, time-boxed; the log goes to ${OUT:-.}/gpu_checks.log. From the repository root, on a machine with a
 # CUDA GPU and the project's dependencies:
-#     bash benchmarks/gpu_checks.sh [tests] [step] [bert] [light] [profile] [scatter]   (all by default, ~13 min at most)
+#     bash benchmarks/gpu_checks.sh [tests] [step] [bert] [light] [profile] [scatter]   (all by default, ~15 min at most)
 # tests: every test that runs on a CUDA device, in one pytest run (~5 min at most): the CUDA-against-CPU, safe_divide,
 # entropy, page-locked drift memory and compiled-step tests, FSDPStrategy on one GPU, and the end-to-end tests with the
 # GPU as Lightning's accelerator (ATTN_CALLBACKS_TEST_ACCELERATOR=gpu; 8 workers where pytest-xdist is installed);
 # step: one accumulation step alone (scaling.py, ~1 min); bert: overhead.py at BERT-base shapes, eager and compiled
-# step (~2.5 min); light: the light model, where the host may be the bottleneck (~2.5 min); profile: where a BERT-base
+# step, pictures drawn in the background (~4 min); light: the light model, where the host may be the bottleneck (~2.5 min); profile: where a BERT-base
 # epoch's device time goes (~2 min); scatter: the scatter-add alone, with and without hot cells (~20 s).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 parts=${*:-tests step bert light profile scatter}
@@ -25,8 +25,8 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
           tests/test_sdpa.py tests/test_hf.py tests/test_dashboard.py \
           tests/test_ddp.py::test_fsdp_strategy_on_one_gpu_logs_the_plain_models_values ;;
       step) timeout 60 python3 benchmarks/scaling.py ;;
-      bert) timeout 150 python3 benchmarks/overhead.py --preset bert-base --models heavy --batches 64 --rounds 3 \
-          --configs per-head,compiled ;;
+      bert) timeout 240 python3 benchmarks/overhead.py --preset bert-base --models heavy --batches 64 --rounds 3 \
+          --configs per-head,compiled,background ;;
       light) timeout 150 python3 benchmarks/overhead.py --models stress --rounds 3 ;;
       profile) timeout 120 python3 benchmarks/profile_epoch.py --preset bert-base --batches 16 ;;
       scatter) timeout 60 python3 benchmarks/scatter.py ;;

@@ -18,10 +18,12 @@ untimed floor epoch: the allocator, once that monitor's memory is freed, hands t
   read once (``weights.sum()``): what any capture pays, since a stock layer loses PyTorch's fused fast path and an
   SDPA call's weights must be computed again;
 - monitor (per head, the default), monitor ``per_head=False``, monitor ``explorer=False`` (``--configs
-  per-head,no-explorer`` gives what the Attention tab's data costs the epoch end) and monitor ``compile_step=True``
-  (``--configs per-head,compiled``: the compiled step against the eager one, on a GPU): steady, a monitor past its first
-  three epochs (tracked ids chosen, figures drawn, drift memory full), epoch end included, the model's weights nudged
-  before each of its epochs as a training step would change them (so that drift compares rows that moved); cold, a fresh
+  per-head,no-explorer`` gives what the Attention tab's data costs the epoch end), monitor ``compile_step=True``
+  (``compiled``: the compiled step against the eager one, on a GPU) and monitor ``draw_in_background=True``
+  (``background``: its process starts at every ``validate``'s set-up, overlapping the batches, and "drawn after s" is
+  teardown's wait for the pictures left after the epoch end): steady, a monitor past its first three epochs (tracked
+  ids chosen, figures drawn, drift memory full), epoch end included, the model's weights nudged before each of its
+  epochs as a training step would change them (so that drift compares rows that moved); cold, a fresh
   monitor's first epoch, set-up, the tracked-id pass and the sums' allocation included (loading the compiled kernels
   and making the glyph outlines of the labels are once per process: the steady monitors' warm-up pays them first).
 
@@ -98,12 +100,17 @@ class WeightsReader(Callback):
 
 
 class TimedMonitor(AttentionMonitor):
-    """The monitor, with the wall time of its epoch end recorded."""
+    """The monitor, with the wall time of its epoch end recorded, and of the wait for its drawing process after it."""
 
     def on_validation_epoch_end(self, trainer, pl_module):
         start = time.perf_counter()
         super().on_validation_epoch_end(trainer, pl_module)
         self.epoch_end = time.perf_counter() - start
+
+    def teardown(self, trainer, pl_module, stage):
+        start = time.perf_counter()
+        super().teardown(trainer, pl_module, stage)
+        self.drawn_after = time.perf_counter() - start
 
 
 def summary(values: list[float], digits: int = 2) -> str:
@@ -123,6 +130,7 @@ CONFIGS = {
     "mean": ("monitor per_head=False", {"per_head": False}),
     "no-explorer": ("monitor explorer=False", {"explorer": False}),
     "compiled": ("monitor compile_step=True", {"compile_step": True}),
+    "background": ("monitor draw_in_background", {"draw_in_background": True}),
 }
 
 
@@ -161,6 +169,8 @@ def run(
             rows.setdefault("steady / floor", []).append(warm / floor)
             rows.setdefault("cold / none", []).append(cold / none)
             rows.setdefault("epoch end s", []).append(steady[name].epoch_end)
+            if kw.get("draw_in_background"):
+                rows.setdefault("drawn after s", []).append(steady[name].drawn_after)
             rows.setdefault("steady / none", []).append(warm / none)
             rows.setdefault("batches / none", []).append((warm - steady[name].epoch_end) / none)
             rows.setdefault("monitor s", []).append(warm - floor)
@@ -178,7 +188,7 @@ def main() -> None:
         "--configs",
         default="per-head,mean",
         help="comma-separated: per-head (the default), mean (per_head=False), no-explorer (explorer=False: "
-        "with per-head, what writing the Attention tab's data costs)",
+        "with per-head, what writing the Attention tab's data costs), background (draw_in_background=True)",
     )
     args = parser.parse_args()
     chosen = tuple(args.configs.split(","))

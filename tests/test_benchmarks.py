@@ -229,8 +229,23 @@ def check_explorer(out: str) -> None:
         assert low <= median <= high, out
 
 
+def check_background(out: str) -> None:
+    """Both configurations' three figures: min <= median <= max, the fit's seconds positive (the tiny preset's
+    epoch end and steps may round to 0.00)."""
+    for background in ("False", "True"):
+        for figure in ("fit s", "epoch end s", "steps after s"):
+            row = re.search(rf"^draw_in_background={background}\s+{figure}\s+(\S+) / (\S+) / (\S+)$", out, re.M)
+            assert row, out
+            low, median, high = (number(value) for value in row.groups())
+            assert 0 <= low <= median <= high and (high > 0 or figure != "fit s"), out
+
+
 # script -> (its cheapest arguments, the check of its output)
 SMOKE_RUNS = {
+    "background.py": (
+        ["--preset", "tiny", "--epochs", "2", "--train-batches", "1", "--batches", "2", "--rounds", "1"],
+        check_background,
+    ),
     "explorer.py": (["--quick"], check_explorer),
     "memory.py": (["--vocabs", "1000,8000", "--measure-up-to", "64MiB"], check_memory),
     "overhead.py": (
@@ -266,8 +281,11 @@ def test_gpu_checks_script_parses():
 
 
 def gpu_check_test_files() -> set[str]:
-    """The test files gpu_checks.sh runs, its globs expanded (each must match a file)."""
-    named = {word for line in gpu_check_commands() for word in shlex.split(line) if word.startswith("tests/")}
+    """The test files gpu_checks.sh runs, its globs expanded (each must match a file); a test's node id names its
+    file."""
+    named = {
+        word.split("::")[0] for line in gpu_check_commands() for word in shlex.split(line) if word.startswith("tests/")
+    }
     assert named, "gpu_checks.sh runs no test file"
     files = set()
     for pattern in named:

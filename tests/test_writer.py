@@ -116,3 +116,22 @@ def test_fast_record_checksums_restores_tensorboards_function_and_writes_readabl
     assert picture.step == 3 and (picture.width, picture.height) == (30, 40)
     with fast_record_checksums(None):  # no SummaryWriter: nothing to speed up
         assert record_writer.masked_crc32c is original
+
+
+def test_fast_record_checksums_overlapping_uses_put_tensorboards_function_back_after_the_last(tmp_path):
+    pytest.importorskip("numba")
+    from contextlib import ExitStack
+
+    from tensorboard.summary.writer import record_writer
+
+    original = record_writer.masked_crc32c
+    first, second = SummaryWriter(tmp_path / "a"), SummaryWriter(tmp_path / "b")
+    stack = ExitStack()
+    stack.enter_context(fast_record_checksums(first))  # the drawing process's pictures, written after an epoch end
+    with fast_record_checksums(second):  # the next epoch end, which ends first
+        assert record_writer.masked_crc32c is not original
+    assert record_writer.masked_crc32c is not original
+    stack.close()
+    assert record_writer.masked_crc32c is original
+    first.close()
+    second.close()

@@ -20,7 +20,9 @@ __all__ = ["Images"]
 
 
 class Images:
-    """The figures of every image tag, redrawn with new data every epoch, and each tag's colour scale.
+    """The figures of every image tag, redrawn with new data every epoch, and each tag's colour scale. With
+    ``figures`` a :class:`~attn_callbacks.output.draw_worker.FigureJobs` (the drawing process runs), each method
+    returns the jobs that draw its pictures instead of their RGBA arrays; the colour limits are kept here either way.
 
     Args:
         color_scale: ``"epoch"`` scales each image to its own largest value; ``"shared"`` gives each image tag the

@@ -1,4 +1,4 @@
-"""The numba twin of :func:`attn_callbacks.output.writer.png_bytes`' numpy "Up" filter: one pass over the canvas,
+"""The numba twin of :func:`attn_callbacks.output.png.encode_png`'s numpy "Up" filter: one pass over the canvas,
 where numpy needs a copy without the alpha and a subtraction (measured 2.7 ms against 16 ms for a 1,100 × 1,300
 canvas, on the writer thread)."""
 

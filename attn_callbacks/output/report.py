@@ -18,6 +18,7 @@ from attn_callbacks.metrics.drift import DriftMemory
 from attn_callbacks.metrics.summary import ModuleSummary, attention_mass, summarize
 from attn_callbacks.metrics.tables import module_tables, top_tokens
 from attn_callbacks.output.dashboard import grid_tag, head_tag, layer_tag, scalars_layout
+from attn_callbacks.output.drawing import Drawing
 from attn_callbacks.output.explore import explorer_view
 from attn_callbacks.output.images import Images
 from attn_callbacks.output.writer import (
@@ -85,6 +86,7 @@ class Reporter:
         self.explorer_size = explorer_size  # None: no explorer data
         self.images = Images(color_scale)
         self.background = BackgroundWriter()
+        self.drawing = Drawing(self.images, self.background)  # pictures: drawn here, or in a drawing process
         self._ranks: dict[tuple[str, str, str], Tensor] = {}  # the last PageRank per (module, prefix, suffix)
         self._logged: dict[tuple[str, str], dict[str, list[str]]] = {}  # (run, prefix) -> metric -> modules
         self._warned: set[str] = set()
@@ -164,6 +166,7 @@ class Reporter:
     ) -> dict[str, dict[str, Tensor]]:
         """Log every module's epoch: combined over dataloaders, and per dataloader (``/dataloader_idx_{k}``) when
         there are several. On a drift epoch, returns what drift memory keeps of the derived numbers, per module."""
+        self.drawing.check()  # the last epoch's pictures, drawn since
         writer = self.tensorboard(trainer)
         _masses_in_place(merged)
         derived: dict[str, dict[str, Tensor]] = {}
@@ -236,7 +239,7 @@ class Reporter:
         for suffix, metrics in grids.items():
             for key, values in metrics.items():
                 image = self.images.metric_grid(grid_tag(prefix, key), key, values, square, suffix)
-                self.background.image(writer, grid_tag(prefix, key) + suffix, image, step)
+                self.drawing.image(writer, grid_tag(prefix, key) + suffix, image, step)
         run = _run_of(writer)
         seen = self._logged.setdefault((run, prefix), {})  # every epoch's modules: a layout never loses a chart
         for key, layers in logged.items():
@@ -367,8 +370,8 @@ class Reporter:
                     suffix=suffix,
                 )
             )
-        for tag, image in images.items():  # encoded by the writer thread while the next are drawn
-            self.background.image(out.writer, tag + suffix, image, out.step)
+        for tag, image in images.items():  # encoded by the writer thread while the next are drawn (or jobs)
+            self.drawing.image(out.writer, tag + suffix, image, out.step)
 
     def _tables(self, out: ModuleView) -> None:
         query_stream, key_stream = out.streams

@@ -3,8 +3,7 @@ to the loggers) and TensorBoard images and text, encoded and written by a backgr
 
 from __future__ import annotations
 
-import struct
-import zlib
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -22,11 +21,13 @@ from torch.utils.tensorboard.summary import custom_scalars
 from attn_callbacks.base.numba_loader import uses_numba
 from attn_callbacks.base.private_api import epoch_end_step
 from attn_callbacks.base.tensor_ops import to_host_flat
+from attn_callbacks.output.png import encode_png
 
 __all__ = [
     "BackgroundWriter",
     "add_image",
     "add_layout",
+    "add_png",
     "fast_record_checksums",
     "log_heads",
     "log_layer",
@@ -140,8 +141,10 @@ def fast_record_checksums(writer: Any) -> Iterator[None]:
     public module function ``masked_crc32c``) computes its checksums with :mod:`~attn_callbacks.output.checksum_numba`:
     the same numbers, without holding the GIL, where its pure-Python CRC-32C took ~0.5 s of the stress workload's
     ~1.3 s epoch end (``benchmarks/overhead.py``, old and new code on one machine). ``writer`` is flushed before the
-    function is put back, on every exit path, so that its thread has checksummed this epoch's records. Nothing changes
-    without numba, or for a writer that is not a torch ``SummaryWriter``."""
+    function is put back, on every exit path, so that its thread has checksummed this epoch's records. Nested and
+    overlapping uses (the drawing process's results are written after the epoch end) count: the last one out puts
+    TensorBoard's function back. Nothing changes without numba, or for a writer that is not a torch
+    ``SummaryWriter``."""
     if not isinstance(writer, SummaryWriter) or not uses_numba("cpu"):
         yield
         return
@@ -149,15 +152,25 @@ def fast_record_checksums(writer: Any) -> Iterator[None]:
 
     from attn_callbacks.output.checksum_numba import masked_crc32c
 
-    original = record_writer.masked_crc32c
-    record_writer.masked_crc32c = masked_crc32c
+    with _CHECKSUMS["lock"]:
+        if _CHECKSUMS["users"] == 0:
+            _CHECKSUMS["original"] = record_writer.masked_crc32c
+            record_writer.masked_crc32c = masked_crc32c
+        _CHECKSUMS["users"] += 1
     try:
         yield
     finally:
         try:
             writer.flush()
         finally:
-            record_writer.masked_crc32c = original
+            with _CHECKSUMS["lock"]:
+                _CHECKSUMS["users"] -= 1
+                if _CHECKSUMS["users"] == 0:
+                    record_writer.masked_crc32c = _CHECKSUMS.pop("original")
+
+
+# Who uses the numba checksums now, and TensorBoard's function to put back after the last.
+_CHECKSUMS: dict[str, Any] = {"lock": threading.Lock(), "users": 0}
 
 
 def tensorboard_writer(trainer: Trainer) -> Any:
@@ -175,9 +188,13 @@ def add_image(writer: Any, tag: str, image: Any, step: int) -> None:
     if events is None:  # tensorboardX's, say (other protobuf classes), or a closed writer: its own add_image
         writer.add_image(tag, image[..., :3], step, dataformats="HWC")
         return
-    height, width = image.shape[:2]
-    picture = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png_bytes(image))
-    events.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
+    add_png(writer, tag, png_bytes(image), image.shape[:2], step)
+
+
+def add_png(writer: Any, tag: str, png: bytes, size: tuple[int, int], step: int) -> None:
+    """An image event of RGB PNG bytes of ``size`` ``(height, width)`` at ``step``, into a torch ``SummaryWriter``."""
+    picture = Summary.Image(height=size[0], width=size[1], colorspace=3, encoded_image_string=png)
+    writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
 
 def add_layout(writer: Any, layout: dict[str, dict[str, list]], step: int) -> None:
@@ -197,39 +214,5 @@ def _event_file(writer: Any) -> Any:
 
 
 def png_bytes(image: np.ndarray, compress_level: int = 1) -> bytes:
-    """An ``(H, W, 3)`` uint8 RGB array (or ``(H, W, 4)`` RGBA, its alpha dropped) as RGB PNG bytes.
-
-    Every scanline uses the PNG "Up" filter (each byte minus the byte above it): a heatmap's cells repeat row after
-    row, so the filtered image is mostly zeros, and zlib level 1 then compresses it about as small as Pillow's
-    encoder (which tries every filter on every row, with no option to skip that) in about half its time. Any PNG
-    reader decodes it to the same pixels. Unlike Pillow, it takes 8-bit RGB(A) only: what the Agg canvas holds.
-    """
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] not in (3, 4) or 0 in image.shape:
-        raise ValueError(
-            "Expected argument `image` to be a non-empty (H, W, 3) or (H, W, 4) uint8 array, "
-            f"but got {image.dtype} {image.shape}"
-        )
-    height, width = image.shape[:2]
-    rows = np.empty((height, 1 + width * 3), dtype=np.uint8)  # one filter-type byte, then the filtered row
-    if uses_numba("cpu"):
-        from attn_callbacks.output.png_numba import up_filter
-
-        up_filter(image, rows)
-    else:
-        rgb = np.ascontiguousarray(image[..., :3]).reshape(height, width * 3)
-        rows[:, 0] = 2  # Up; the first row's "above" is zeros, so it is stored as is
-        rows[:1, 1:] = rgb[:1]
-        np.subtract(rgb[1:], rgb[:-1], out=rows[1:, 1:])  # modulo 256, as PNG filters are
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, adaptive filters, no interlace
-    return b"".join(
-        [
-            b"\x89PNG\r\n\x1a\n",
-            chunk(b"IHDR", header),
-            chunk(b"IDAT", zlib.compress(rows.data, compress_level)),
-            chunk(b"IEND", b""),
-        ]
-    )
+    """:func:`~attn_callbacks.output.png.encode_png` of ``image``, its rows filtered in numba where numba works."""
+    return encode_png(image, compress_level, numba=uses_numba("cpu"))
