@@ -373,7 +373,7 @@ def chunk_planes(
     if hot is not None:  # after the position sums, which read w: a view of these planes
         hot_part = hot.reshape(-1)  # (b * Lq * Lk,)
         hot_sums = torch.where(hot_part, planes, zero).sum(dim=1)
-        planes = planes.masked_fill(hot_part, 0) if torch.compiler.is_compiling() else planes.masked_fill_(hot_part, 0)
+        planes.masked_fill_(hot_part, 0)
     return planes, part, hot_sums
 
 
