@@ -1,15 +1,17 @@
 import csv
+import io
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from attn_callbacks.output.writer import add_image, fast_record_checksums, log_heads
+from attn_callbacks.output.writer import add_image, add_png, fast_record_checksums, log_heads, png_bytes
 
 
 def test_add_image_writes_an_event_tensorboard_reads_back_beside_other_records(tmp_path):
@@ -135,3 +137,21 @@ def test_fast_record_checksums_overlapping_uses_put_tensorboards_function_back_a
     assert record_writer.masked_crc32c is original
     first.close()
     second.close()
+
+
+def test_add_png_into_a_writer_closed_since_the_drawing_reopens_it_with_the_same_pixels(tmp_path):
+    """The drawing process's pictures arrive after the epoch end: a ``SummaryWriter`` closed meanwhile gets them as
+    its own ``add_image`` would (reopened), the pixels unchanged, not an error."""
+    writer = SummaryWriter(str(tmp_path))
+    image = np.random.default_rng(2).integers(0, 256, (30, 20, 3), dtype=np.uint8)
+    add_png(writer, "open", png_bytes(image), image.shape[:2], 1)
+    writer.close()
+    add_png(writer, "closed", png_bytes(image), image.shape[:2], 2)
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={IMAGES: 0})
+    events.Reload()
+    for tag, step in (("open", 1), ("closed", 2)):
+        (picture,) = events.Images(tag)
+        assert (picture.step, picture.width, picture.height) == (step, 20, 30)
+        with PIL.Image.open(io.BytesIO(picture.encoded_image_string)) as read:
+            np.testing.assert_array_equal(np.asarray(read.convert("RGB")), image)

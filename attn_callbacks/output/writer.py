@@ -3,6 +3,7 @@ to the loggers) and TensorBoard images and text, encoded and written by a backgr
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import PIL.Image
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -192,9 +194,16 @@ def add_image(writer: Any, tag: str, image: Any, step: int) -> None:
 
 
 def add_png(writer: Any, tag: str, png: bytes, size: tuple[int, int], step: int) -> None:
-    """An image event of RGB PNG bytes of ``size`` ``(height, width)`` at ``step``, into a torch ``SummaryWriter``."""
+    """An image event of RGB PNG bytes of ``size`` ``(height, width)`` at ``step``, into a torch ``SummaryWriter``; one
+    closed since the picture was drawn gets it through its own ``add_image``, which reopens it, as :func:`add_image`
+    does."""
+    events = _event_file(writer)
+    if events is None:
+        with PIL.Image.open(io.BytesIO(png)) as picture:
+            writer.add_image(tag, np.asarray(picture.convert("RGB")), step, dataformats="HWC")
+        return
     picture = Summary.Image(height=size[0], width=size[1], colorspace=3, encoded_image_string=png)
-    writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
+    events.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
 
 def add_layout(writer: Any, layout: dict[str, dict[str, list]], step: int) -> None:
