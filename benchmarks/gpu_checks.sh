@@ -8,9 +8,19 @@
 # step: one accumulation step alone (scaling.py, ~1 min); bert: overhead.py at BERT-base shapes, eager and compiled
 # step, pictures drawn in the background (~4 min); light: the light model, where the host may be the bottleneck (~2.5 min); profile: where a BERT-base
 # epoch's device time goes (~2 min); scatter: the scatter-add alone, with and without hot cells (~20 s).
+# OLD=<folder>: a checkout of an older commit (`git worktree add --detach ../old <commit>`); bert and light then run
+# its overhead.py (per head) first, on the same machine, so that old and new code compare in one log (bert ~2 min more).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 parts=${*:-tests step bert light profile scatter}
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+# old SECONDS ARGS...: the OLD tree's overhead.py with ARGS, time-boxed, when OLD is set
+old() {
+  [ -n "$OLD" ] || return 0
+  echo "-- old code: $(git -C "$OLD" log -1 --format='%h %s' 2>/dev/null || echo "$OLD")"
+  local box=$1; shift
+  (cd "$OLD" && PYTHONPATH=$PWD timeout "$box" python3 benchmarks/overhead.py "$@")
+  echo "-- new code: $(git log -1 --format='%h %s' 2>/dev/null || echo "$PWD")"
+}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
@@ -25,9 +35,11 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
           tests/test_sdpa.py tests/test_hf.py tests/test_dashboard.py \
           tests/test_ddp.py::test_fsdp_strategy_on_one_gpu_logs_the_plain_models_values ;;
       step) timeout 60 python3 benchmarks/scaling.py ;;
-      bert) timeout 240 python3 benchmarks/overhead.py --preset bert-base --models heavy --batches 64 --rounds 3 \
+      bert) old 150 --preset bert-base --models heavy --batches 64 --rounds 3 --configs per-head
+        timeout 240 python3 benchmarks/overhead.py --preset bert-base --models heavy --batches 64 --rounds 3 \
           --configs per-head,compiled,background ;;
-      light) timeout 150 python3 benchmarks/overhead.py --models stress --rounds 3 ;;
+      light) old 150 --models stress --rounds 3 --configs per-head
+        timeout 150 python3 benchmarks/overhead.py --models stress --rounds 3 ;;
       profile) timeout 120 python3 benchmarks/profile_epoch.py --preset bert-base --batches 16 ;;
       scatter) timeout 60 python3 benchmarks/scatter.py ;;
       *) echo "unknown part: $part (tests, step, bert, light, profile, scatter)" ;;
