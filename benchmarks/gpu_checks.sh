@@ -1,13 +1,14 @@
 #!/bin/bash
 # The GPU checks, time-boxed; the log goes to ${OUT:-.}/gpu_checks.log. From the repository root, on a machine with a
 # CUDA GPU and the project's dependencies:
-#     bash benchmarks/gpu_checks.sh [tests] [step] [bert] [light] [profile] [scatter]   (all by default, ~15 min at most)
+#     bash benchmarks/gpu_checks.sh [tests] [step] [bert] [light] [profile] [scatter]  (all by default, ~15 min at most)
 # tests: every test that runs on a CUDA device, in one pytest run (~5 min at most): the CUDA-against-CPU, safe_divide,
 # entropy, page-locked drift memory and compiled-step tests, FSDPStrategy on one GPU, and the end-to-end tests with the
 # GPU as Lightning's accelerator (ATTN_CALLBACKS_TEST_ACCELERATOR=gpu; 8 workers where pytest-xdist is installed);
-# step: one accumulation step alone (scaling.py, ~1 min); bert: overhead.py at BERT-base shapes, eager and compiled
-# step, pictures drawn in the background (~4 min); light: the light model, where the host may be the bottleneck (~2.5 min); profile: where a BERT-base
-# epoch's device time goes (~2 min); scatter: the scatter-add alone, with and without hot cells (~20 s).
+# step: one accumulation step alone (scaling.py, ~1 min); bert: overhead.py at BERT-base shapes, the eager step with
+# pictures drawn in the background (the default there) and in process, and the compiled step (~4 min); light: the
+# light model, where the host may be the bottleneck (~2.5 min); profile: where a BERT-base epoch's device time goes
+# (~2 min); scatter: the scatter-add alone, with and without hot cells (~20 s).
 # OLD=<folder>: a checkout of an older commit (`git worktree add --detach ../old <commit>`); bert and light then run
 # its overhead.py (per head) first, on the same machine, so that old and new code compare in one log (bert ~2 min more).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
@@ -37,7 +38,7 @@ old() {
       step) timeout 60 python3 benchmarks/scaling.py ;;
       bert) old 150 --preset bert-base --models heavy --batches 64 --rounds 3 --configs per-head
         timeout 240 python3 benchmarks/overhead.py --preset bert-base --models heavy --batches 64 --rounds 3 \
-          --configs per-head,compiled,background ;;
+          --configs per-head,in-process,compiled ;;
       light) old 150 --models stress --rounds 3 --configs per-head
         timeout 150 python3 benchmarks/overhead.py --models stress --rounds 3 ;;
       profile) timeout 120 python3 benchmarks/profile_epoch.py --preset bert-base --batches 16 ;;
