@@ -109,8 +109,10 @@ def test_callback_sums_reuse_retired_snapshots_never_the_reference(tmp_path, per
             mass = self._drift.previous["encoder.layers.0.self_attn"]["attention_mass"]
             # Drift memory holds exactly S / Q of this epoch's sums, also in memory that held an earlier epoch's.
             for name, stats in epoch_sums.items():
-                want = attention_mass(stats.attention_sum, stats.query_count)
-                assert torch.equal(self._drift.previous[name]["attention_mass"], want), (trainer.current_epoch, name)
+                got = self._drift.previous[name]["attention_mass"]
+                # Divided on the sums' device: a GPU divides where the CPU multiplies by reciprocals.
+                want = attention_mass(stats.attention_sum.to(got.device), stats.query_count.to(got.device))
+                assert torch.equal(got, want), (trainer.current_epoch, name)
             self.seen.append((mass.data_ptr(), mass.clone()))
             reference = self._drift.reference["encoder.layers.0.self_attn"]["attention_mass"]
             assert torch.equal(reference, self.seen[0][1])  # the reference epoch's P is never overwritten

@@ -186,7 +186,9 @@ def test_callback_images_written_by_a_worker_thread_whose_errors_reach_the_calle
     monkeypatch.setattr(callback_module, "add_image", spy)
     model = TinyEncoder()
     logger = TensorBoardLogger(tmp_path, name="tb")
-    trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids")], logger=logger).validate(model, loaders()[1])
+    # Drawn in this process (the GPU default draws in a background process, whose writes the spy cannot see).
+    monitor = AttentionMonitor(VOCAB, "input_ids", draw_in_background=False)
+    trainer(tmp_path, [monitor], logger=logger).validate(model, loaders()[1])
     events = EventAccumulator(logger.log_dir, size_guidance={IMAGES: 0})
     events.Reload()
     # Every picture was written, each by the worker, and the worker is gone once the epoch end returns.
@@ -199,7 +201,9 @@ def test_callback_images_written_by_a_worker_thread_whose_errors_reach_the_calle
 
     monkeypatch.setattr(callback_module, "add_image", broken)
     with pytest.raises(RuntimeError, match="writing failed"):
-        trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids")]).validate(model, loaders()[1])
+        trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", draw_in_background=False)]).validate(
+            model, loaders()[1]
+        )
     assert no_hooks(model) and workers() == []
 
 

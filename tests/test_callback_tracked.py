@@ -110,7 +110,14 @@ def test_callback_heatmaps_and_tables_show_tokens_not_the_other_bucket(tmp_path)
     # 3 tracked ids of 11: <other> holds most queries and keys and would lead every ranking.
     seed_everything(0)
     monitor = AttentionMonitor(
-        VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=3, top_k=VOCAB, num_pairs=50, min_support=1
+        VOCAB,
+        "input_ids",
+        ignore_ids=[PAD],
+        max_tracked_tokens=3,
+        top_k=VOCAB,
+        num_pairs=50,
+        min_support=1,
+        draw_in_background=False,  # the spy below sees this process's drawing only
     )
     drawn = []
     heatmap = monitor._report.images.figures.heatmap

@@ -209,7 +209,8 @@ def test_validate_only_run_writes_head_grids_of_logged_values_layout_of_every_he
 
     monkeypatch.setattr(Images, "metric_grid", spy)
     seed_everything(0)
-    monitor = AttentionMonitor(VOCAB, lambda batch: batch, ignore_ids=[PAD], min_support=1)
+    # Drawn in this process, where the spy sees it (on a GPU the default draws in a background process).
+    monitor = AttentionMonitor(VOCAB, lambda batch: batch, ignore_ids=[PAD], min_support=1, draw_in_background=False)
     t = Trainer(
         default_root_dir=tmp_path,
         accelerator=ACCELERATOR,
