@@ -58,6 +58,8 @@ class MonitorOptions:
         log_sanity_check: also monitor Lightning's sanity-check validation pass (it never becomes a drift epoch); its
             scalars are logged at step 0, straight to the loggers (Lightning drops what the sanity pass logs).
         validate_args: check token id ranges every batch (one host sync per stream and batch); turn off for speed.
+            Unchecked, an id outside an untracked stream's vocabulary stops the scatter: an exception on the CPU, a
+            device-side assert on a GPU, after which that process's CUDA context is unusable.
         prefix: the first part of every logged tag.
         drift_reference_epoch: the (training) epoch whose monitored validation drift ``..._ref`` compares against; the
             first monitored epoch when None. When that epoch is not monitored (no validation then, or

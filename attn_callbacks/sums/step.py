@@ -144,8 +144,8 @@ def accumulate_attention(
 
     Raises:
         ValueError: ``pairs`` and ``key_ids`` both None; or on the numba path, an id out of range at a valid position
-            (the torch path raises an IndexError from ``index_add_``, or adds a key id just past ``Vk`` to the next
-            row).
+            (the torch path raises an IndexError from ``index_add_`` on the CPU and trips a device-side assert on a
+            GPU, which leaves the CUDA context unusable; a key id just past ``Vk`` adds to the next row).
     """
     if pairs is None and key_ids is None:
         raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
