@@ -113,7 +113,7 @@ def test_cross_attention_columns_are_the_keys_most_often_visible(tmp_path):
     assert epoch.meta["streams"] == ["tgt", "src"] and epoch.meta["query_labels"][0].isdigit()
 
 
-class Tested(TinyEncoder):
+class WithTestStep(TinyEncoder):  # not "Test...": pytest would try to collect it
     def test_step(self, batch, batch_idx):
         self(batch["input_ids"])
 
@@ -124,8 +124,8 @@ def test_sanity_pass_is_not_written_and_test_epochs_get_their_prefix(tmp_path):
     )
     t = trainer(tmp_path, [monitor], max_epochs=1, num_sanity_val_steps=1, limit_train_batches=1)
     batches = DataLoader(make_batches(), batch_size=None)
-    t.fit(Tested(), batches, batches)
-    t.test(Tested(), batches, verbose=False)
+    t.fit(WithTestStep(), batches, batches)
+    t.test(WithTestStep(), batches, verbose=False)
     views = list_views(run_dir(tmp_path))
     assert [(e, s) for e, s, _ in views["attention/encoder.layers.0.self_attn"]] == [(0, 1)]  # not the sanity pass
     assert "attention_test/encoder.layers.0.self_attn" in views
