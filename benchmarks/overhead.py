@@ -70,6 +70,7 @@ from _workload import (
 )
 from attn_callbacks import AttentionMonitor
 from attn_callbacks.capture.hooks import AttentionCapture, find_attention_modules
+from attn_callbacks.sums.step_compiled import compile_failed
 
 WARM_UP_EPOCHS = 3
 # name -> (vocabulary, d_model, heads, layers, feed-forward, batch, length, tracked ids)
@@ -197,8 +198,8 @@ def main() -> None:
         "--configs",
         default="per-head,mean",
         help="comma-separated: per-head (the default), mean (per_head=False), no-explorer (explorer=False: "
-        "with per-head, what writing the Attention tab's data costs), background (draw_in_background=True), "
-        "in-process (draw_in_background=False)",
+        "with per-head, what writing the Attention tab's data costs), compiled (compile_step=True), background "
+        "(draw_in_background=True), in-process (draw_in_background=False)",
     )
     args = parser.parse_args()
     chosen = tuple(args.configs.split(","))
@@ -222,6 +223,8 @@ def main() -> None:
         for config, rows in run(model.eval(), batches, args.rounds, vocab, tracked, chosen).items():
             for figure, values in rows.items():
                 print(f"{model_name:8} {config:26} {figure:16} {summary(values):>24}")
+    if "compiled" in chosen and compile_failed():  # its warning is silenced with the others: the row ran eagerly
+        print(f"\ncompile_step fell back to the eager step, so its rows are eager figures: {compile_failed()}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak resident memory of the process: {peak:.0f} MiB")
 
