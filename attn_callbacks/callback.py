@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -270,7 +271,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._streams.end_batch()
         self._probe.capturing = self._probe.only = False
 
-    def _consume(self, name: str, module: nn.Module, weights: Tensor, rows: slice) -> None:
+    def _consume(self, name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int) -> None:
         """The hooks' hand-off: one call's weights to the probe and to the sums of its site."""
         if self._streams.batch is None:
             raise RuntimeError(
@@ -278,11 +279,19 @@ class AttentionMonitor(MonitorOptions, Callback):
             )
         weights, first_call = self._sites.check(name, weights)
         if first_call:  # an SDPA call seen for the first time: wired, checked and allocated now, kept for later epochs
-            self._streams.wire_call(name, self._sites.base(name), self.attention_streams)
+            base = self._sites.base(name)
+            if self._streams.wire_call(name, base, self.attention_streams):
+                # A second pass of one encoder over other inputs (a bi-encoder's pair) lands here too, on the wrong ids.
+                rank_zero_warn(
+                    f"AttentionMonitor: module {base!r} called scaled_dot_product_attention again in the same batch; "
+                    f"this call is summed apart as {name!r}, read against the module's own streams "
+                    f"{self._streams.of[name]}. If it attends over other tokens (the same encoder run on a second "
+                    f"input, say), name its streams in `attention_streams` (a pattern matching {name!r})"
+                )
             self._streams.check_call(name)
             self._sums.allocate(name, self._shapes()[name], weights.device)
         streams = self._streams.of[name]
-        query, key = self._streams.read_pair(name, streams, weights, rows)
+        query, key = self._streams.read_pair(name, streams, weights, rows, batch)
         self._probe.keep(name, weights, rows)
         if not self._probe.only:
             other = self._streams.other_cell(streams)

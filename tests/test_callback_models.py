@@ -138,3 +138,18 @@ def test_monitor_validating_another_model_after_fit_sums_only_that_models_module
     shared = {k: v for k, v in logged["reused"].items() if "drift" not in k}
     assert shared.keys() == logged["fresh"].keys()
     assert shared == pytest.approx(logged["fresh"], rel=1e-6)
+
+
+class MicroBatched(TinyEncoder):
+    """Runs its encoder on micro-batches of 2: the attention of each sees part of the batch only."""
+
+    def forward(self, ids):
+        return self.head(torch.cat([self.encoder(part) for part in self.embed(ids).split(2)]))
+
+
+def test_attention_run_on_part_of_the_batch_is_refused_naming_the_module_and_both_batch_sizes(tmp_path):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    _, val = loaders()
+    expected = r"'encoder.layers.0.self_attn' ran on a batch of 2 samples.*\(4, 6\).*hold 4 and 4"
+    with pytest.raises(ValueError, match=expected):
+        trainer(tmp_path, [monitor]).validate(MicroBatched(), val, verbose=False)

@@ -20,7 +20,7 @@ def encoder(batch_first=True, layers=2, nested=True):
 def count_calls(model):
     calls: dict[str, list] = {}
 
-    def consumer(name, module, weights, rows):
+    def consumer(name, module, weights, rows, batch):
         calls.setdefault(name, []).append(weights.clone())
 
     return calls, AttentionCapture(find_attention_modules(model), consumer)
@@ -168,7 +168,7 @@ def no_hooks_left(model):
 def test_capture_detaches_and_restores_fastpath_after_exception():
     model = encoder()
 
-    def consumer(name, module, weights, rows):
+    def consumer(name, module, weights, rows, batch):
         raise RuntimeError("boom")
 
     capture = AttentionCapture(find_attention_modules(model), consumer)

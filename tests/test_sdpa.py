@@ -1,9 +1,11 @@
 """scaled_dot_product_attention calls: recomputed weights against float64 loops, outputs untouched, names, and the
 monitor's position statistics on a nanoGPT-style model against an eager float64 reference."""
 
+import functools
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules
+from attn_callbacks.capture import hooks
 from attn_callbacks.capture.hooks import AttentionCapture
 from attn_callbacks.capture.sdpa import SdpaWatch, calls_sdpa, sdpa_weights
 
@@ -236,6 +239,59 @@ def test_watch_hands_large_calls_on_a_few_samples_at_a_time():
     with capture_attention(model) as whole, torch.no_grad():  # capture_attention joins the chunks of a call
         model(ids)
     assert whole["blocks.0.attn"][0].shape == (5, 4, 5, 5)
+
+
+def test_monitor_maps_each_chunk_of_a_large_sdpa_call_to_its_own_samples(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = TinyGPT().eval()
+    whole = scalars(run(tmp_path / "whole", model, AttentionMonitor(vocab_size=12, token_ids="ids"), gpt_batches())[1])
+    one_sample = 3 * 4 * 9 * 9 * 4  # the watch's bytes for one sample: chunks of one
+    monkeypatch.setattr(hooks, "SdpaWatch", functools.partial(SdpaWatch, chunk_bytes=one_sample))
+    chunked = scalars(
+        run(tmp_path / "chunk", model, AttentionMonitor(vocab_size=12, token_ids="ids"), gpt_batches())[1]
+    )
+    assert chunked.keys() == whole.keys() and len(whole) > 50
+    for tag, value in whole.items():
+        assert chunked[tag] == pytest.approx(value, rel=1e-5, abs=1e-6), tag
+
+
+class PerSample(nn.Module):
+    """Runs each sample through the blocks on its own: every SDPA call sees one sample of the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = TinyGPT()
+
+    def forward(self, ids):
+        return torch.cat([self.gpt(row) for row in ids.split(1)])
+
+
+def test_sdpa_called_on_one_sample_of_the_batch_at_a_time_is_refused(tmp_path):
+    expected = r"'model.gpt.blocks.0.attn' ran on a batch of 1 samples.*\(3, 9\).*hold 3 and 3.*`modules`"
+    with pytest.raises(ValueError, match=expected):
+        run(tmp_path, PerSample().eval(), AttentionMonitor(vocab_size=12, token_ids="ids"), gpt_batches())
+
+
+class BiEncoder(nn.Module):
+    """Encodes a query and a passage with one encoder, as a bi-encoder does."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = TinyGPT(layers=1)
+
+    def forward(self, ids):
+        return self.gpt(ids) + self.gpt(ids.flip(-1))
+
+
+def test_a_second_sdpa_pass_of_a_module_is_named_apart_and_warned_unless_attention_streams_maps_it(tmp_path):
+    with pytest.warns(
+        UserWarning, match=r"'model.gpt.blocks.0.attn.call1'.*\('tokens', 'tokens'\).*`attention_streams`"
+    ):
+        run(tmp_path / "a", BiEncoder().eval(), AttentionMonitor(vocab_size=12, token_ids="ids"), gpt_batches())
+    mapped = AttentionMonitor(vocab_size=12, token_ids="ids", attention_streams={"*.call1": ("tokens", "tokens")})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*called scaled_dot_product_attention again")
+        run(tmp_path / "b", BiEncoder().eval(), mapped, gpt_batches())
 
 
 def test_watch_is_left_on_every_exit_path():

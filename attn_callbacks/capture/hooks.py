@@ -42,7 +42,7 @@ __all__ = [
     "output_indices",
 ]
 
-WeightsConsumer = Callable[[str, nn.Module, Tensor, slice], None]
+WeightsConsumer = Callable[[str, nn.Module, Tensor, slice, int], None]
 
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -187,11 +187,11 @@ class AttentionCapture:
     Args:
         modules: name -> module, as from :func:`find_attention_modules`: ``nn.MultiheadAttention`` modules are
             hooked, Hugging Face eager ones read (those in ``output_index``), every other one watched for SDPA calls.
-        consumer: called as ``consumer(name, module, weights, rows)`` with ``weights`` of shape ``(b, H, Lq, Lk)``
-            (batch-major whatever ``batch_first`` says; ``(H, Lq, Lk)`` for an unbatched ``nn.MultiheadAttention``
-            call) for the samples ``rows`` (a ``slice``) of the call's batch: all of them, except for an SDPA call
-            recomputed a few samples at a time. The k-th SDPA call of a module in one batch (k ≥ 1) is named
-            ``f"{name}.call{k}"``.
+        consumer: called as ``consumer(name, module, weights, rows, batch)`` with ``weights`` of shape
+            ``(b, H, Lq, Lk)`` (batch-major whatever ``batch_first`` says; ``(H, Lq, Lk)`` for an unbatched
+            ``nn.MultiheadAttention`` call) for the samples ``rows`` (a ``slice``) of the call's ``batch`` samples:
+            all of them, except for an SDPA call recomputed a few samples at a time. The k-th SDPA call of a module
+            in one batch (k ≥ 1) is named ``f"{name}.call{k}"``.
         disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored when the last
             capture attached at the time detaches).
         output_index: for Hugging Face attention modules, the index of the weights in their output tuple
@@ -328,10 +328,10 @@ class AttentionCapture:
         finally:
             self.stop_watching()
 
-    def _watched_call(self, name: str, index: int, module: nn.Module, weights: Tensor, rows: slice) -> None:
+    def _watched_call(self, name: str, index: int, module: nn.Module, weights: Tensor, rows: slice, batch: int) -> None:
         if rows.start == 0:
             self.calls[name] += 1
-        self.consumer(name if index == 0 else f"{name}.call{index}", module, weights, rows)
+        self.consumer(name if index == 0 else f"{name}.call{index}", module, weights, rows, batch)
 
     def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -354,7 +354,8 @@ class AttentionCapture:
             if weights is None:  # cannot happen with need_weights=True, but never hand None on
                 return (out, None) if not need_weights else output
             self.calls[name] += 1
-            self.consumer(name, module, weights, slice(0, weights.size(0) if weights.dim() == 4 else 1))
+            batch = weights.size(0) if weights.dim() == 4 else 1
+            self.consumer(name, module, weights, slice(0, batch), batch)
             if not need_weights:
                 return out, None
             return (out, weights.mean(dim=-3)) if average else output
@@ -369,7 +370,7 @@ class AttentionCapture:
             if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
                 raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
             self.calls[name] += 1
-            self.consumer(name, module, weights, slice(0, weights.size(0)))
+            self.consumer(name, module, weights, slice(0, weights.size(0)), weights.size(0))
 
         return hook
 
@@ -404,7 +405,7 @@ def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) ->
     """
     collected: dict[str, list[Tensor]] = defaultdict(list)
 
-    def keep(name: str, module: nn.Module, weights: Tensor, rows: slice) -> None:
+    def keep(name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int) -> None:
         if rows.start == 0:
             collected[name].append(weights.detach())
         else:  # the next samples of the same SDPA call

@@ -151,8 +151,9 @@ def _code_names(function: Any) -> frozenset[str]:
     return frozenset(names)
 
 
-# Consumer of weights: (module name, call index in the batch, module, weights (b, H, Lq, Lk), rows of the batch).
-ChunkConsumer = Callable[[str, int, nn.Module, Tensor, slice], None]
+# Consumer of weights: (module name, call index in the batch, module, weights (b, H, Lq, Lk), rows of the call's
+# batch, the call's batch size).
+ChunkConsumer = Callable[[str, int, nn.Module, Tensor, slice, int], None]
 
 
 class SdpaWatch(TorchFunctionMode):
@@ -161,9 +162,9 @@ class SdpaWatch(TorchFunctionMode):
 
     Args:
         modules: name -> module whose calls are watched; a call belongs to the innermost one whose method made it.
-        consumer: called as ``consumer(name, index, module, weights, rows)`` with ``weights`` ``(b, Hq, Lq, Lk)`` for
-            the samples ``rows`` of the call's batch (a 3-D call ``(B, L, E)`` counts as one head); ``index`` counts the
-            module's calls since this watch was made, from 0.
+        consumer: called as ``consumer(name, index, module, weights, rows, batch)`` with ``weights``
+            ``(b, Hq, Lq, Lk)`` for the samples ``rows`` of the call's ``batch`` samples (a 3-D call ``(B, L, E)``
+            counts as one head); ``index`` counts the module's calls since this watch was made, from 0.
         chunk_bytes: the most bytes of weights per consumer call (at least one sample).
     """
 
@@ -233,7 +234,7 @@ class SdpaWatch(TorchFunctionMode):
                     call.get("scale"),
                     bool(call.get("enable_gqa", False)),
                 )
-                self.consumer(name, index, module, weights, rows)
+                self.consumer(name, index, module, weights, rows, batch)
 
 
 def compiling() -> bool:

@@ -118,11 +118,15 @@ class Streams:
         """Decide the (query stream, key stream) of every attention module (see :func:`resolve_streams`)."""
         self.of = resolve_streams(modules, model, self.names, attention_streams)
 
-    def wire_call(self, name: str, base: str, attention_streams: Mapping[str, Any] | None) -> None:
+    def wire_call(self, name: str, base: str, attention_streams: Mapping[str, Any] | None) -> bool:
         """The streams of an SDPA call named apart from its module ``base`` (``base.call1``...): the first pattern of
-        ``attention_streams`` matching the call's name, else the module's own. A site already wired keeps its own."""
-        if name not in self.of:
-            self.of[name] = first_rule(name, attention_streams or {}) or self.of[base]
+        ``attention_streams`` matching the call's name, else the module's own. A site already wired keeps its own.
+        Returns whether the call was wired here to its module's streams for want of a pattern."""
+        if name in self.of:
+            return False
+        rule = first_rule(name, attention_streams or {})
+        self.of[name] = rule or self.of[base]
+        return rule is None
 
     def check_call(self, name: str) -> None:
         """Refuse an SDPA call first seen mid-epoch that reads a stream whose tracked ids are not chosen yet."""
@@ -221,23 +225,36 @@ class Streams:
         return self._ids[stream]
 
     def read_pair(
-        self, name: str, streams: tuple[str, str], weights: Tensor, rows: slice | None = None
+        self, name: str, streams: tuple[str, str], weights: Tensor, rows: slice | None = None, batch: int | None = None
     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-        """``(ids, valid)`` of the query and the key stream of module ``name``'s weights ``(b, H, Lq, Lk)`` for the
-        samples ``rows`` of the batch (all when None), on the weights' device, checked against their shape."""
+        """``(ids, valid)`` of the query and the key stream of module ``name``'s weights ``(b, H, Lq, Lk)``, the samples
+        ``rows`` of a call on ``batch`` samples (the whole call when None), on the weights' device, checked against
+        the batch's ids: a call on fewer samples than the batch has (micro-batches, a per-sample loop) has no way to
+        say which samples it saw, so it is refused rather than mapped to the first ones."""
         query_stream, key_stream = streams
         # .to() is a no-op unless the module lives on another device than the LightningModule's (model parallel).
         query_ids, query_valid, _ = (t.to(weights.device) for t in self.read(query_stream, weights.device))
         key_ids, key_valid, _ = (t.to(weights.device) for t in self.read(key_stream, weights.device))
-        if rows is not None and rows != slice(0, query_ids.size(0)):
+        calls_batch = weights.size(0) if batch is None else batch
+        if calls_batch != query_ids.size(0) or calls_batch != key_ids.size(0):
+            raise ValueError(
+                f"AttentionMonitor: attention module {name!r} ran on a batch of {calls_batch} samples, but the "
+                f"batch's token ids of its query stream {query_stream!r} {tuple(query_ids.shape)} and key stream "
+                f"{key_stream!r} {tuple(key_ids.shape)} hold {query_ids.size(0)} and {key_ids.size(0)}: a module run "
+                "on part of the batch (micro-batches, a loop over samples) cannot be matched to its tokens. While "
+                "monitored, run it on the whole batch, or leave it out with `modules` (see also `batch_first`)"
+            )
+        if rows is not None and rows != slice(0, calls_batch):
             query_ids, query_valid, key_ids, key_valid = (t[rows] for t in (query_ids, query_valid, key_ids, key_valid))
-        batch, _, len_q, len_k = weights.shape
-        if query_ids.shape != (batch, len_q) or key_ids.shape != (batch, len_k):
+        _, _, len_q, len_k = weights.shape
+        if query_ids.shape[1] != len_q or key_ids.shape[1] != len_k:
             raise ValueError(
                 f"AttentionMonitor: attention module {name!r} returned weights of shape (B, H, Lq, Lk) = "
                 f"{tuple(weights.shape)}, which does not match the token ids of its query stream {query_stream!r} "
                 f"{tuple(query_ids.shape)} and key stream {key_stream!r} {tuple(key_ids.shape)} (expected (B, Lq) and "
-                "(B, Lk); see arguments `attention_streams` and `batch_first`)"
+                "(B, Lk); see arguments `attention_streams` and `batch_first`). A module that attends over other "
+                "tokens than the batch's, as generate() does with its cache, cannot be monitored in "
+                "`validation_step`: generate in `on_validation_epoch_end` instead"
             )
         return (query_ids, query_valid), (key_ids, key_valid)
 

@@ -87,8 +87,8 @@ class AttentionAccumulator(SummedMetric):
         num_heads: number of attention heads ``H``.
         query_vocab_size: size ``Vq`` of the vocabulary of the query tokens.
         key_vocab_size: size ``Vk`` of the vocabulary of the key tokens.
-        mean_of_heads: keep ``mean_h S[h]`` only (``attention_sum`` then has one row), ``H`` times less memory and a
-            faster update; position sums stay per head.
+        mean_of_heads: keep ``mean_h S[h]`` only (``attention_sum`` then has one row): ``16·Vq·Vk`` bytes of sums
+            instead of ``(4H + 12)·Vq·Vk``, and a lighter update; position sums stay per head.
 
     Example:
         >>> acc = AttentionAccumulator(num_heads=1, query_vocab_size=3, key_vocab_size=3)
@@ -365,7 +365,9 @@ class EpochSums:
             rank_zero_warn(
                 f"AttentionMonitor: attention module {name!r} ran more than once in one batch (one module shared "
                 "by several layers, as in ALBERT, or called in a loop): its sums add up every call, so its maps "
-                "and numbers mix those calls; the probe shows the last one.",
+                "and numbers mix those calls; the probe shows the last one. Every call is read against the batch's "
+                "ids of the module's streams: a call over other tokens of the same shape (one encoder run on a "
+                "second input, say) is summed as if it saw those ids; leave such a module out with `modules`.",
             )
         self._calls.add(name)
         metric = self.metrics[(name, dataloader_idx)]
