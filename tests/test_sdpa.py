@@ -294,6 +294,32 @@ def test_a_second_sdpa_pass_of_a_module_is_named_apart_and_warned_unless_attenti
         run(tmp_path / "b", BiEncoder().eval(), mapped, gpt_batches())
 
 
+class Dropping(nn.Module):
+    """Calls SDPA with dropout whatever its mode, as code that forgets `if self.training` does."""
+
+    def forward(self, x):
+        q = x.unflatten(-1, (2, 4)).transpose(1, 2)  # (B, H, L, E)
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.25)
+
+
+def test_sdpa_call_with_dropout_warns_once_per_module_naming_it_and_the_rate():
+    model = nn.ModuleDict({"a": Dropping(), "b": Dropping()})
+    capture = AttentionCapture(find_attention_modules(model), lambda *call: None)
+    with pytest.warns(UserWarning) as caught, capture, torch.no_grad():
+        for _ in range(3):  # a watch per batch; the warning still once per module
+            with capture.watching():
+                model["a"](torch.randn(2, 3, 8))
+                model["b"](torch.randn(2, 3, 8))
+    dropout = [str(w.message) for w in caught if "dropout_p" in str(w.message)]
+    assert len(dropout) == 2 and "'a'" in dropout[0] and "'b'" in dropout[1] and "dropout_p=0.25" in dropout[0]
+    gpt = TinyGPT()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with capture_attention(gpt) as weights, torch.no_grad():  # dropout_p=0.0: no warning
+            gpt(torch.zeros(1, 3, dtype=torch.long))
+    assert sorted(weights) == ["blocks.0.attn", "blocks.1.attn"]
+
+
 def test_watch_is_left_on_every_exit_path():
     model = TinyGPT()
     capture = AttentionCapture(find_attention_modules(model), lambda *call: (_ for _ in ()).throw(ValueError("boom")))

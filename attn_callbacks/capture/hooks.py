@@ -217,6 +217,7 @@ class AttentionCapture:
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
+        self._dropout_warned: set[str] = set()  # modules named in the SDPA watch's dropout warning
         self._entered: SdpaWatch | None = None  # the watch on torch's mode stack, while a watched forward runs
         self._depth = 0  # watched forwards running inside each other, while one entered the watch
         self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # calls per module, until reset_calls()
@@ -297,7 +298,7 @@ class AttentionCapture:
         ``TorchFunctionMode`` that the watched modules' hooks enter while their forward runs (modes of the user's
         entered around it nest as usual); a no-op without watched modules or when already watching."""
         if self.watched and self._watch is None:
-            self._watch = SdpaWatch(self.watched, self._watched_call)
+            self._watch = SdpaWatch(self.watched, self._watched_call, warned=self._dropout_warned)
 
     def stop_watching(self) -> None:
         """Stop seeing SDPA calls (a forward already running keeps the watch until it returns)."""

@@ -8,7 +8,8 @@ them::
 
 with ``scale = 1 / sqrt(E)`` unless given, ``bias`` 0 where a boolean ``attn_mask`` is True and ``-inf`` where it is
 False, the float ``attn_mask`` itself otherwise, ``-inf`` above the diagonal of ``tril(ones(Lq, Lk))`` (top-left
-aligned) for ``is_causal=True``, and key heads repeated ``Hq / Hk`` times for ``enable_gqa=True``. Dropout is ignored.
+aligned) for ``is_causal=True``, and key heads repeated ``Hq / Hk`` times for ``enable_gqa=True``. Dropout is
+ignored, and a call with ``dropout_p > 0`` warned about once per module.
 ``attn_mask`` may also be one of PyTorch's ``CausalBias`` masks (``causal_upper_left`` / ``causal_lower_right``).
 The weights are computed in float32 (float64 for float64 inputs), a few samples at a time so memory stays bounded.
 
@@ -27,6 +28,7 @@ import inspect
 import math
 import sys
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -166,13 +168,22 @@ class SdpaWatch(TorchFunctionMode):
             ``(b, Hq, Lq, Lk)`` for the samples ``rows`` of the call's ``batch`` samples (a 3-D call ``(B, L, E)``
             counts as one head); ``index`` counts the module's calls since this watch was made, from 0.
         chunk_bytes: the most bytes of weights per consumer call (at least one sample).
+        warned: names of the modules already warned about calling with dropout (shared by the watches of one
+            capture, so that each module is named once).
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], consumer: ChunkConsumer, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module],
+        consumer: ChunkConsumer,
+        chunk_bytes: int = CHUNK_BYTES,
+        warned: set[str] | None = None,
+    ):
         super().__init__()
         self.modules = {id(module): (name, module) for name, module in modules.items()}
         self.consumer = consumer
         self.chunk_bytes = chunk_bytes
+        self.warned = set() if warned is None else warned
         self.calls: dict[str, int] = {}  # calls per watched module since this watch was made
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -206,6 +217,16 @@ class SdpaWatch(TorchFunctionMode):
         index = self.calls.get(name, 0)
         self.calls[name] = index + 1
         query, key, mask = call["query"], call["key"], call.get("attn_mask")
+        dropout = call.get("dropout_p", 0.0)
+        if dropout and name not in self.warned:  # the weights below are dropout's expectation, not what was applied
+            self.warned.add(name)
+            warnings.warn(
+                f"AttentionMonitor: module {name!r} called scaled_dot_product_attention with dropout_p={dropout} "
+                "while monitored: its output had attention dropped out at random, while the weights read are those "
+                "without dropout (their expectation). Pass dropout_p=0.0 when not self.training, as Hugging Face "
+                "and nanoGPT do",
+                stacklevel=2,
+            )
         if isinstance(mask, CausalBias):  # PyTorch's causal_upper_left / causal_lower_right: (Lq, Lk) booleans
             mask = mask._materialize(query.device)
         if query.dim() == 3:  # (B, L, E): one head
