@@ -83,6 +83,18 @@ def test_explorer_off_or_without_tensorboard_writes_nothing(tmp_path):
         AttentionMonitor(VOCAB, explorer_size="0MB")
 
 
+def test_a_view_whose_folder_name_would_be_too_long_is_left_out_with_a_warning(tmp_path):
+    prefix = "é" * 40  # %-quoted: 240 bytes, and the module's name after it
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], prefix=prefix, num_pairs=0)
+    with pytest.warns(UserWarning, match=r"view '.*encoder.layers.0.self_attn' would be a name longer than 255 bytes"):
+        run_validate(tmp_path, monitor, make_batches())
+    assert list_views(run_dir(tmp_path)) == {}
+    assert (run_dir(tmp_path) / "plugins" / "attention_explorer").exists() is False
+    short = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], prefix="é" * 10, num_pairs=0)
+    run_validate(tmp_path / "short", short, make_batches())
+    assert len(list_views(tmp_path / "short" / "tb" / "version_0")) == 2  # both layers
+
+
 def test_mean_only_monitor_writes_the_head_mean_only(tmp_path):
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], per_head=False, num_pairs=0)
     run_validate(tmp_path, monitor, make_batches())

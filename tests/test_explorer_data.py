@@ -76,10 +76,11 @@ def test_size_is_the_planes_and_a_header(tmp_path):
     assert npy.stat().st_size == planes_bytes(4, 3, 3) + 128 == (4 + 3) * 9 * 4 + 128
 
 
-def test_a_truncated_planes_file_is_refused_naming_it(tmp_path):
+@pytest.mark.parametrize("keep", [-7, 0], ids=["truncated", "empty"])
+def test_a_truncated_planes_file_is_refused_naming_it(tmp_path, keep):
     path, _ = write(tmp_path)
     (npy,) = path.parent.glob("*.npy")
-    npy.write_bytes(npy.read_bytes()[:-7])
+    npy.write_bytes(npy.read_bytes()[:keep])  # empty: a crash before the data reached the disk
     with pytest.raises(ExplorerDataError, match=str(npy.name).replace(".", r"\.")):
         read_epoch(tmp_path, "attention/enc.0", 0, 10)
 
@@ -98,6 +99,9 @@ def test_a_missing_planes_file_is_refused(tmp_path):
         (lambda meta: meta.update(version=99), "version 1"),
         (lambda meta: meta.update(query_labels=["a"]), "disagree with its shape"),
         (lambda meta: meta.pop("heads"), "lacks or garbles"),
+        (lambda meta: meta.pop("module"), "lacks or garbles"),
+        (lambda meta: meta.update(streams=["a"]), "lacks or garbles"),
+        (lambda meta: meta.update(step="ten"), "lacks or garbles"),
         (lambda meta: meta.update(planes="../../x.npy"), "names no planes file"),
     ],
 )
@@ -108,6 +112,24 @@ def test_a_malformed_json_file_is_refused(tmp_path, change, message):
     path.write_text(json.dumps(meta))
     with pytest.raises(ExplorerDataError, match=message):
         read_epoch(tmp_path, "attention/enc.0", 0, 10)
+
+
+def test_an_epoch_rewritten_between_reading_its_json_and_its_planes_is_read_again(tmp_path, monkeypatch):
+    path, _ = write(tmp_path, seed=0)
+    stale = path.read_bytes()
+    _, planes = write(tmp_path, seed=1)  # the rewrite: new planes, the old ones removed
+    fresh = path.read_bytes()
+    path.write_bytes(stale)  # a reader holds the old JSON...
+    load = np.load
+
+    def rewritten_meanwhile(*args, **kwargs):
+        path.write_bytes(fresh)  # ...while the writer's new JSON lands
+        monkeypatch.setattr(np, "load", load)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(np, "load", rewritten_meanwhile)
+    epoch = read_epoch(tmp_path, "attention/enc.0", 0, 10)
+    assert np.array_equal(epoch.planes, planes)
 
 
 def test_half_written_json_is_refused(tmp_path):

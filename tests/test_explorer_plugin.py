@@ -144,6 +144,10 @@ def test_history_gives_each_epochs_value(client, logdir):
         (dict(head=2), 400, "head 2 is not stored for this epoch: it has heads 0..1 and 'mean'"),
         (dict(token="abc"), 400, "parameter 'token' must be an integer"),
         (dict(epoch=None), 400, "missing parameter 'epoch'"),
+        (dict(run=None), 400, "missing parameter 'run'"),
+        (dict(epoch="١"), 400, "parameter 'epoch' must be an integer, got '١'"),
+        (dict(epoch="0_1"), 400, "parameter 'epoch' must be an integer"),
+        (dict(limit=-1), 400, "parameter 'limit' must be at least 1, got -1"),
     ],
 )
 def test_bad_requests_get_a_clear_json_error(client, query, status, message):
@@ -189,6 +193,22 @@ def test_a_damaged_file_gives_a_message_not_a_traceback(logdir, tmp_path, load_f
     code, body = get(client, "token", run="version_0", view=VIEW, epoch=1, token=3)
     assert code == 500 and "cannot be read" in body["error"] and planes.name in body["error"]
     assert get(client, "token", run="version_0", view=VIEW, epoch=0, token=3)[0] == 200  # the others still answer
+
+
+@pytest.mark.parametrize(("route", "query"), [("heatmap", dict(size=0)), ("history", dict(keys=0, token=3))])
+def test_sizes_of_zero_are_refused_not_replaced_by_the_default(client, route, query):
+    code, body = get(client, route, run=runs(client)[0]["run"], view=VIEW, epoch=1, **query)
+    assert code == 400 and f"parameter '{next(iter(query))}' must be" in body["error"]
+
+
+def test_history_leaves_an_unreadable_epoch_out_and_still_answers(logdir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(logdir / "tb", copy)
+    folder = copy / "version_0" / "plugins" / "attention_explorer" / VIEW.replace("/", "%2F")
+    (planes,) = folder.glob("epoch=1-*.npy")
+    planes.write_bytes(b"")
+    code, body = get(tensorboard_app(copy, "false"), "history", run="version_0", view=VIEW, epoch=0, token=3)
+    assert code == 200 and body["epochs"] == [0] and body["js"] == [None]
 
 
 def test_the_plugin_imports_neither_torch_nor_lightning():

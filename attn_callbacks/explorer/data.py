@@ -65,6 +65,17 @@ def folder(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "plugins" / PLUGIN_NAME
 
 
+def view_folder(view: str) -> str:
+    """The name of a view's folder: the view %-quoted, read back by :func:`list_views`."""
+    return quote(view, safe="")
+
+
+def view_fits(view: str) -> bool:
+    """Whether the view's folder name fits the file systems' limit of 255 bytes per name (a long prefix or module
+    path, %-quoted, may not)."""
+    return len(view_folder(view).encode()) <= 255
+
+
 def planes_bytes(heads: int, rows: int, cols: int) -> int:
     """Size of one epoch's planes file without its 128-byte header: ``(heads + 3) * rows * cols * 4``."""
     return (heads + 3) * rows * cols * 4
@@ -115,7 +126,7 @@ def write_epoch(
     ):
         if len(values) != size:
             raise ValueError(f"Expected `{name}` to have {size} entries (the planes' shape), but got {len(values)}")
-    where = folder(run_dir) / quote(view, safe="")
+    where = folder(run_dir) / view_folder(view)
     stem = f"epoch={int(epoch)}-step={int(step)}"
     meta_path = where / f"{stem}.json"
     old = _planes_name(meta_path)
@@ -215,12 +226,24 @@ class ExplorerEpoch:
 
 
 def read_epoch(run_dir: str | os.PathLike, view: str, epoch: int, step: int) -> ExplorerEpoch:
-    """Read one epoch of one view written by :func:`write_epoch`.
+    """Read one epoch of one view written by :func:`write_epoch`; an epoch rewritten while read (a second
+    validation at one step) is read again, once.
 
     Raises:
         ExplorerDataError: when a file is missing, malformed, half-written or of another format version.
     """
-    where = folder(run_dir) / quote(view, safe="")
+    try:
+        return _read_epoch(run_dir, view, epoch, step)
+    except _PlanesGone:  # the JSON read named the planes that a rewrite has just replaced
+        return _read_epoch(run_dir, view, epoch, step)
+
+
+class _PlanesGone(ExplorerDataError):
+    """The planes file a JSON file names does not exist."""
+
+
+def _read_epoch(run_dir: str | os.PathLike, view: str, epoch: int, step: int) -> ExplorerEpoch:
+    where = folder(run_dir) / view_folder(view)
     meta_path = where / f"epoch={int(epoch)}-step={int(step)}.json"
     try:
         meta = json.loads(meta_path.read_bytes())
@@ -240,6 +263,9 @@ def read_epoch(run_dir: str | os.PathLike, view: str, epoch: int, step: int) -> 
         sizes = {len(meta[key]) for key in ("query_ids", "query_labels")} | {len(query_count)}
         sizes_k = {len(meta[key]) for key in ("key_ids", "key_labels")}
         heads = int(meta["heads"])
+        int(meta["epoch"]), int(meta["step"])
+        if not isinstance(meta["module"], str) or len(meta["streams"]) != 2:
+            raise ValueError("`module` must be a string and `streams` two names")
     except (KeyError, TypeError, ValueError) as error:
         raise ExplorerDataError(f"{meta_path} lacks or garbles a field ({error!r})") from None
     if len(shape) != 3 or shape[0] != heads + 3 or sizes != {shape[1]} or sizes_k != {shape[2]}:
@@ -247,8 +273,8 @@ def read_epoch(run_dir: str | os.PathLike, view: str, epoch: int, step: int) -> 
     try:
         planes = np.load(where / name, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
-        raise ExplorerDataError(f"{where / name} (named by {meta_path.name}) does not exist") from None
-    except (OSError, ValueError) as error:
+        raise _PlanesGone(f"{where / name} (named by {meta_path.name}) does not exist") from None
+    except (OSError, ValueError, EOFError) as error:  # EOFError: an empty file
         raise ExplorerDataError(f"{where / name} is not a readable .npy file ({error})") from None
     if planes.shape != shape or planes.dtype != np.float32:
         raise ExplorerDataError(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,7 @@ from attn_callbacks.explorer.data import PLUGIN_NAME, ExplorerDataError, Explore
 __all__ = ["ExplorerPlugin"]
 
 _CACHE_SECONDS = 24 * 3600
+_DECIMAL = re.compile(r"-?[0-9]+")  # int() would also take '١' and '0_1'
 _ACTIVE_RECHECK = 30.0  # seconds between two walks of the logdir while no run has data
 
 
@@ -131,11 +133,15 @@ class ExplorerPlugin(base_plugin.TBPlugin):
         URL names its current version."""
         args = request.args
         run = args.get("run")
+        if not run:
+            raise _RequestError(400, "missing parameter 'run'")
         folders = self._run_dirs(request)
         if run not in folders:
             raise _RequestError(404, f"no run named {short_repr(run)} in this TensorBoard")
         views = list_views(folders[run])
         view = args.get("view")
+        if not view:
+            raise _RequestError(400, "missing parameter 'view'")
         if view not in views:
             raise _RequestError(404, f"run {short_repr(run)} has no explorer data for view {short_repr(view)}")
         epochs = views[view]
@@ -183,41 +189,53 @@ class ExplorerPlugin(base_plugin.TBPlugin):
     def _token(self, request: wrappers.Request) -> tuple[Any, bool]:
         *_, epoch, cacheable = self._epoch(request)
         head = _head(request.args, epoch.heads)
-        limit = _integer(request.args, "limit", required=False)
+        limit = _integer(request.args, "limit", required=False, least=1)
         side = _side(request.args)
         return queries.token_view(epoch, head, _integer(request.args, "token"), limit, side), cacheable
 
     def _heatmap(self, request: wrappers.Request) -> tuple[Any, bool]:
         *_, epoch, cacheable = self._epoch(request)
         head = _head(request.args, epoch.heads)
-        size = _integer(request.args, "size", required=False) or 24
-        if not 1 <= size <= 256:
-            raise _RequestError(400, f"size must be between 1 and 256, got {size}")
+        size = _integer(request.args, "size", required=False, least=1, most=256) or 24
         around = _integer(request.args, "around", required=False)
         return queries.heatmap(epoch, head, size, around, _side(request.args)), cacheable
 
     def _history(self, request: wrappers.Request) -> tuple[Any, bool]:
         folder, view, epochs, index, epoch, _ = self._epoch(request)
         head = _head(request.args, epoch.heads)
-        read = [epoch if i == index else read_epoch(folder, view, e, s) for i, (e, s, _) in enumerate(epochs)]
-        usable = [i for i, item in enumerate(read) if head is None or head < item.heads]
-        keys = _integer(request.args, "keys", required=False) or 5
+        read = [epoch if i == index else _readable(folder, view, e, s) for i, (e, s, _) in enumerate(epochs)]
+        # Epochs that cannot be read, or lack the head, are left out of the lines (the others still answer).
+        usable = [i for i, item in enumerate(read) if item is not None and (head is None or head < item.heads)]
+        keys = _integer(request.args, "keys", required=False, least=1, most=100)
         result = queries.history(
-            [read[i] for i in usable], head, _integer(request.args, "token"), usable.index(index), keys
+            [read[i] for i in usable], head, _integer(request.args, "token"), usable.index(index), keys or 5
         )
         return result, False  # a later epoch changes it
 
 
-def _integer(args: Any, name: str, required: bool = True) -> int | None:
+def _readable(folder: str, view: str, epoch: int, step: int) -> ExplorerEpoch | None:
+    try:
+        return read_epoch(folder, view, epoch, step)
+    except ExplorerDataError:
+        return None
+
+
+def _integer(
+    args: Any, name: str, required: bool = True, least: int | None = None, most: int | None = None
+) -> int | None:
+    """Parameter ``name`` as a plain decimal integer (ASCII digits only), within ``[least, most]`` where given."""
     value = args.get(name)
     if value is None or value == "":
         if required:
             raise _RequestError(400, f"missing parameter {name!r}")
         return None
-    try:
-        return int(value)
-    except ValueError:
-        raise _RequestError(400, f"parameter {name!r} must be an integer, got {short_repr(value)}") from None
+    if not _DECIMAL.fullmatch(value):
+        raise _RequestError(400, f"parameter {name!r} must be an integer, got {short_repr(value)}")
+    number = int(value)
+    if (least is not None and number < least) or (most is not None and number > most):
+        bounds = f"at least {least}" if most is None else f"between {least} and {most}"
+        raise _RequestError(400, f"parameter {name!r} must be {bounds}, got {number}")
+    return number
 
 
 def _side(args: Any) -> str | None:

@@ -31,13 +31,14 @@ def _lift(mass: np.ndarray, count: np.ndarray | float, uniform: np.ndarray) -> l
     return [None if u == 0 else float(v) for v, u in zip(lift.ravel(), uniform64.ravel(), strict=True)]
 
 
-def _entries(ids, labels, mass, lift, count, limit: int | None) -> list[dict[str, Any]]:
-    """Cells with a non-zero pair count, by ``P`` descending (ties: the more frequent token first)."""
+def _entries(ids, labels, mass, lift, count, uniform, limit: int | None) -> list[dict[str, Any]]:
+    """The pairs that were ever visible (``U > 0``: not every pair counted in ``C`` was, a causal mask hides later
+    keys), by ``P`` descending (ties: the more frequent token first)."""
     order = np.argsort(-mass.astype(np.float64), kind="stable")
     rows = [
         {"id": int(ids[i]), "label": labels[i], "p": float(mass[i]), "lift": lift[i], "count": int(count[i])}
         for i in order
-        if count[i] > 0
+        if uniform[i] > 0
     ]
     return rows if limit is None else rows[:limit]
 
@@ -52,7 +53,7 @@ def token_view(
         epoch: one view's epoch.
         head: a head index, or None for the head mean.
         token: the token's vocabulary id.
-        limit: the most entries per list (None: all with a non-zero pair count).
+        limit: the most entries per list (None: every pair ever visible).
         side: ``"query"`` or ``"key"``: the token is of that axis only (cross-attention, where an id names one token
             of the query vocabulary and another of the key vocabulary); None: both (self-attention).
 
@@ -72,15 +73,15 @@ def token_view(
         "rest": None,
     }
     if row is not None:
-        p, q = np.asarray(mass[row]), int(epoch.query_count[row])
-        lift = _lift(p, q, np.asarray(uniform[row]))
-        result["attends_to"] = _entries(meta["key_ids"], meta["key_labels"], p, lift, np.asarray(pairs[row]), limit)
+        p, q, u = np.asarray(mass[row]), int(epoch.query_count[row]), np.asarray(uniform[row])
+        lift = _lift(p, q, u)
+        result["attends_to"] = _entries(meta["key_ids"], meta["key_labels"], p, lift, np.asarray(pairs[row]), u, limit)
         result["rest"] = max(0.0, 1.0 - float(p.astype(np.float64).sum()))
     if col is not None:
-        p = np.asarray(mass[:, col])
-        lift = _lift(p, epoch.query_count.astype(np.float64), np.asarray(uniform[:, col]))
+        p, u = np.asarray(mass[:, col]), np.asarray(uniform[:, col])
+        lift = _lift(p, epoch.query_count.astype(np.float64), u)
         result["attended_by"] = _entries(
-            meta["query_ids"], meta["query_labels"], p, lift, np.asarray(pairs[:, col]), limit
+            meta["query_ids"], meta["query_labels"], p, lift, np.asarray(pairs[:, col]), u, limit
         )
     return result
 
@@ -135,9 +136,10 @@ def heatmap(
 
 
 def js_divergence(p: dict[int, float], q: dict[int, float]) -> float:
-    """Jensen–Shannon divergence (natural log, in ``[0, log 2]``) of two distributions given as id -> share, each
-    completed by a ``rest`` bucket ``1 - sum`` (clipped at 0) and normalised."""
-    keys = sorted(set(p) | set(q))
+    """Jensen–Shannon divergence (natural log, in ``[0, log 2]``) of two distributions given as id -> share, over the
+    ids both give, each completed by a ``rest`` bucket ``1 - sum`` (clipped at 0) and normalised. An id only one side
+    gives is in the other's rest: counting it as 0 there would show movement where there was none."""
+    keys = sorted(set(p) & set(q))
     a = np.array([p.get(k, 0.0) for k in keys] + [0.0], dtype=np.float64)
     b = np.array([q.get(k, 0.0) for k in keys] + [0.0], dtype=np.float64)
     a[-1], b[-1] = max(0.0, 1.0 - a[:-1].sum()), max(0.0, 1.0 - b[:-1].sum())
@@ -157,9 +159,9 @@ def history(
     """How a token's row moved across epochs: ``P[token, b]`` of its ``keys`` top keys at epoch ``epochs[chosen]``,
     at every epoch, and the row's Jensen–Shannon drift from the epoch before.
 
-    The drift compares the two epochs' stored rows, each completed by a ``rest`` bucket (its share outside the stored
-    columns): the stored columns are the most frequent tokens, so it is the monitor's ``drift_js`` of this one row up
-    to the attention that falls outside them.
+    The drift compares the two epochs' rows over the columns both store, each completed by a ``rest`` bucket (its
+    share outside them): the stored columns are the most frequent tokens, so it is the monitor's ``drift_js`` of
+    this one row up to the attention that falls outside them.
 
     Returns:
         ``{"epochs": [epoch], "steps": [step], "keys": [{"id", "label"}], "p": [[P per epoch, None where the token or

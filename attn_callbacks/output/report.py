@@ -13,7 +13,7 @@ from torch import Tensor
 
 from attn_callbacks.capture.probe import Probe
 from attn_callbacks.capture.streams import Streams
-from attn_callbacks.explorer.data import write_epoch
+from attn_callbacks.explorer.data import view_fits, write_epoch
 from attn_callbacks.metrics.drift import DriftMemory
 from attn_callbacks.metrics.summary import ModuleSummary, attention_mass, summarize
 from attn_callbacks.metrics.tables import module_tables, top_tokens
@@ -399,6 +399,13 @@ class Reporter:
     def _explore(self, out: ModuleView, epoch: int) -> None:
         """Hand the explorer's cut of this view (a copy, made here) to the writer thread."""
         run_dir, view = _run_dir(out.writer), f"{out.prefix}/{out.layer}{out.suffix}"
+        if not view_fits(view):
+            self.warn_once(
+                f"explorer:{view}",
+                f"AttentionMonitor: the Attention tab's folder for view {view!r} would be a name longer than 255 "
+                "bytes, which file systems refuse; it is left out of the tab (a shorter `prefix`, or `explorer=False`)",
+            )
+            return
         where = dict(view=view, module=out.name, streams=out.streams, epoch=epoch, step=out.step)
         data = explorer_view(
             **where,

@@ -277,18 +277,27 @@ function formatCount(count) {
 }
 
 // Whitespace tokens would print as nothing.
-function shown(label) {
+// Right-to-left letters and bidi controls: a label holding any is isolated, so that it cannot reorder the text
+// around it (a U+202E in a label would otherwise reverse the counts printed after it).
+const BIDI = /[\u0590-\u08ff\u200e\u200f\u202a-\u202e\u2066-\u2069\ufb1d-\ufdff\ufe70-\ufefc]/;
+
+function shown(label, length = Infinity) {
   if (label === null || label === undefined) return "?";
   if (label === "") return "∅";
-  return label
-    .replace(/\n/g, "↵")
-    .replace(/\r/g, "␍")
-    .replace(/\t/g, "⇥")
-    .replace(/^ +| +$/g, (spaces) => "␣".repeat(spaces.length));
+  const text = cut(
+    label
+      .replace(/\n/g, "↵")
+      .replace(/\r/g, "␍")
+      .replace(/\t/g, "⇥")
+      .replace(/^ +| +$/g, (spaces) => "␣".repeat(spaces.length)),
+    length,
+  );
+  return BIDI.test(text) ? `\u2068${text}\u2069` : text;
 }
 
 function cut(text, length) {
-  return text.length <= length ? text : `${text.slice(0, length - 1)}…`;
+  const chars = Array.from(text); // code points: an emoji is never split in two
+  return chars.length <= length ? text : `${chars.slice(0, length - 1).join("")}…`;
 }
 
 function clampSize(value) {
@@ -996,14 +1005,14 @@ function redrawHeatmap() {
     const at = { x: -5, y: i * cell + cell / 2, "text-anchor": "end", "dominant-baseline": "central" };
     const onclick = () => chooseToken(row.id, querySide);
     const text = svg("text", { class: "axis-label", ...at, "data-id": row.id, onclick });
-    text.append(labelled ? cut(shown(row.label), 15) : "", svg("title", {}, `${row.label} (#${row.id}), query`));
+    text.append(labelled ? shown(row.label, 15) : "", svg("title", {}, `${row.label} (#${row.id}), query`));
     grid.append(text);
   });
   data.cols.forEach((col, j) => {
     const at = { transform: `translate(${j * cell + cell / 2},-5) rotate(-60)`, "dominant-baseline": "central" };
     const onclick = () => chooseToken(col.id, keySide);
     const text = svg("text", { class: "axis-label", ...at, "data-id": col.id, onclick });
-    text.append(labelled ? cut(shown(col.label), 15) : "", svg("title", {}, `${col.label} (#${col.id}), key`));
+    text.append(labelled ? shown(col.label, 15) : "", svg("title", {}, `${col.label} (#${col.id}), key`));
     grid.append(text);
   });
   if (row !== null) {
