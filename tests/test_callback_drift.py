@@ -206,3 +206,14 @@ def test_callback_resuming_into_a_smaller_vocabulary_is_refused(tmp_path):
         ValueError, match="tracks stream 'tokens' with ids up to 11, but this monitor has `vocab_size`=8"
     ):
         AttentionMonitor(8, "input_ids").load_state_dict(state)
+
+
+def test_callback_leaves_js_drift_out_when_no_token_has_the_support_and_keeps_frobenius(tmp_path):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=10**6, num_pairs=0)
+    train, val = loaders()
+    fit = trainer(tmp_path, [monitor], max_epochs=2, limit_train_batches=2)
+    fit.fit(TinyEncoder(), train, val)
+    logged = drift_scalars(fit.logger.log_dir)
+    assert logged and not any("/js_" in tag for tag in logged)  # a 0 here would read "nothing moved"
+    assert logged["attention_drift/frobenius_prev/encoder.layers.0.self_attn"] > 0  # the weights did change

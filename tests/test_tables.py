@@ -238,3 +238,18 @@ def test_hubs_of_cross_attention_rank_equal_in_degrees_by_token(numba, monkeypat
     rows = [line.split(" | ") for line in tables["hubs"].splitlines()[2:]]
     assert [row[0].strip("| ") for row in rows] == ["0", "1", "2", "3", "4"]
     assert [float(row[1].strip(" |")) for row in rows] == [pytest.approx(1 / vocab_k, abs=5e-4)] * 5
+
+
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_one_way_table_leaves_out_pairs_never_visible_one_way(numba, monkeypatch):
+    """Under a causal mask token 0 (always first) never sees token 2: C[0, 2] counts the masked pair but U[0, 2] = 0,
+    so (2, 0) is no evidence of one-way attention. (1, 0), met in both orders, is."""
+    monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", numba)
+    mass = torch.tensor([[1.0, 0.0, 0.0], [0.9, 0.1, 0.0], [1.0, 0.0, 0.0]])
+    uniform = torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.0], [0.3, 0.3, 0.3]])  # 0 never saw 2
+    counts = torch.full((3, 3), 4, dtype=torch.int64)  # every pair counted, masked or not
+    query_count = torch.full((3,), 4)
+    tables = five_pair_tables(mass[None] * 4, counts, query_count, uniform, mass, square=True, min_support=1)
+    rows = [line.split(" | ") for line in tables["one_way_pairs"].splitlines()[2:]]
+    assert [(row[0].strip("| "), row[1]) for row in rows] == [("1", "0")]  # (2, 0) and (2, 1): 2 was never visible
+    assert float(rows[0][2]) == pytest.approx(1.0)

@@ -25,7 +25,7 @@ from attn_callbacks.base.tensor_ops import (
     sum_by_blocks,
     x_log_x,
 )
-from attn_callbacks.metrics.drift import Snapshot, attention_drift, head_mean
+from attn_callbacks.metrics.drift import Snapshot, attention_drift, head_mean, supported_rows
 from attn_callbacks.sums.step import POSITION_STATS
 
 __all__ = [
@@ -410,6 +410,8 @@ def summarize(
     for which, then in (("prev", previous), ("ref", reference)):
         if then is not None:  # the previous epoch is often the reference too: compared once
             drift = out.drifts[which] = compared[id(then.attention_mass)]
-            out.add(f"drift/js_{which}", drift.js, drift.js_heads)
+            # JS weighs only rows seen min_support times in both epochs: with none, its 0 would read "nothing moved"
+            if bool(supported_rows(query_count, then.query_count.to(query_count.device), min_support).any()):
+                out.add(f"drift/js_{which}", drift.js, drift.js_heads)
             out.add(f"drift/frobenius_{which}", drift.frobenius, drift.frobenius_heads)
     return out

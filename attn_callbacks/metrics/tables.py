@@ -285,7 +285,10 @@ def module_tables(
 
     needs = f"No pair seen at least min_support={min_support} times"
     if square:
-        found = one_way_pairs(mass[tq, tk], count, num_pairs, min_support)
+        # C counts masked pairs too: a pair whose U is 0 one way (b always before a under a causal mask) never had
+        # the chance to attend back, and is no evidence of one-way attention.
+        visible = torch.where(stats.uniform_sum[tq, tk] > 0, count, 0)
+        found = one_way_pairs(mass[tq, tk], visible, num_pairs, min_support)
         there, back, seen = _read(
             found, mass.device, lambda a, b: mass[a, b], lambda a, b: mass[b, a], lambda a, b: count[a, b]
         )
