@@ -160,7 +160,9 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
     for name in common:
         old_shape = tuple(old.modules[name].attention_sum.shape)
         new_shape = tuple(new.modules[name].attention_sum.shape)
-        if old_shape != new_shape:
+        # A file of per_head=False holds the head mean only: compared with the other's head mean, P̄ against P̄.
+        mean_only = 1 in (old_shape[0], new_shape[0])
+        if old_shape[1:] != new_shape[1:] or (old_shape[0] != new_shape[0] and not mean_only):
             raise _InputError(
                 f"module {name!r} has (heads, query vocab, key vocab) {old_shape} in OLD but {new_shape} in NEW: "
                 "not comparable (leave it out with --modules)"
@@ -185,10 +187,16 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
     drifts = {}  # the callback's own drift computation, NEW against a snapshot of OLD
     for name in common:
         before, after = old.modules[name], new.modules[name]
-        then = Snapshot.of(before.attention_mass, before.query_count)
-        drift = drifts[name] = drift_between(after.attention_mass, after.query_count, then, args.min_support)
+        mass_old, mass_new = before.attention_mass, after.attention_mass
+        heads_differ = mass_old.shape[0] != mass_new.shape[0]
+        if heads_differ:  # one file holds the head mean only
+            mass_old, mass_new = mass_old.mean(dim=0, keepdim=True), mass_new.mean(dim=0, keepdim=True)
+        then = Snapshot.of(mass_old, before.query_count)
+        drift = drifts[name] = drift_between(mass_new, after.query_count, then, args.min_support)
         rows.append((_display(name), "mean", f"{float(drift.js):#.6g}", f"{float(drift.frobenius):#.6g}"))
-        if args.per_head:
+        if args.per_head and heads_differ:
+            rows.append(("", "(one file has no per-head sums)", "", ""))
+        elif args.per_head:
             js_heads, frobenius_heads = drift.js_heads, drift.frobenius_heads
             for h, (js_h, frobenius_h) in enumerate(zip(js_heads.tolist(), frobenius_heads.tolist(), strict=True)):
                 rows.append(("", f"head {h}", f"{js_h:#.6g}", f"{frobenius_h:#.6g}"))

@@ -2,6 +2,8 @@
 name when half-written, malformed or of another version."""
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -47,6 +49,14 @@ def test_written_planes_read_back_exactly(tmp_path):
     assert epoch.heads == 2 and epoch.query_count.tolist() == [30, 20, 10]
     assert epoch.meta["query_labels"] == ["w100", "w101", "w102"]
     assert isinstance(epoch.planes, np.memmap)  # a query reads a slice, not the file
+
+
+def test_files_get_the_mode_the_umask_allows_so_another_user_can_serve_them(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    path, _ = write(tmp_path)
+    for file in path.parent.iterdir():  # the JSON and the planes
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~umask, file.name
 
 
 def test_views_are_listed_from_the_folder_sorted_by_step(tmp_path):

@@ -3,6 +3,7 @@ import json
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 import zipfile
@@ -45,8 +46,8 @@ def make_batches(seed, vocab_q=6, vocab_k=6, n=4):
         yield weights, query_ids, key_ids, query_valid, key_valid
 
 
-def accumulate(seed, vocab_q=6, vocab_k=6, n=4):
-    metric = AttentionAccumulator(HEADS, vocab_q, vocab_k)
+def accumulate(seed, vocab_q=6, vocab_k=6, n=4, mean_of_heads=False):
+    metric = AttentionAccumulator(HEADS, vocab_q, vocab_k, mean_of_heads=mean_of_heads)
     for batch in make_batches(seed, vocab_q, vocab_k, n):
         metric.update(*batch)
     return metric.compute()
@@ -370,6 +371,24 @@ def test_main_compare_identical_epochs_print_zero_drift(tmp_path, capsys):
     assert CROSS not in "\n".join(lines)
 
 
+def test_main_compare_a_per_head_file_with_a_mean_only_one_compares_the_head_means(tmp_path, capsys):
+    old = {SELF: accumulate(0)}
+    new = {SELF: accumulate(1, mean_of_heads=True)}  # per_head=False: S of the head mean only
+    for path, stats in (("old.pt", old), ("new.pt", new)):
+        save_epoch(
+            tmp_path / path, stats, streams={SELF: STREAMS[SELF]}, labels={"src": LABELS}, epoch=0, global_step=0
+        )
+    argv = ["compare", str(tmp_path / "old.pt"), str(tmp_path / "new.pt"), "--min-support", "2", "--per-head"]
+    assert main(argv) == 0
+    rows = parse_table(capsys.readouterr().out.splitlines(), "module")
+    counts = (new[SELF].query_count, old[SELF].query_count, 2)
+    js, frob = F.attention_drift(new[SELF].attention_mass[0], old[SELF].attention_mass.mean(0), *counts)
+    assert rows[0].split() == [SELF, "mean", f"{float(js):#.6g}", f"{float(frob):#.6g}"]
+    assert "no per-head sums" in rows[1]
+    with pytest.raises(ValueError, match=r"`head` to be None for sums of the head mean only.*2 heads\), but got 0"):
+        export_graph(tmp_path / "g.graphml", new[SELF], head=0)
+
+
 def test_main_graph_writes_graphml(tmp_path, capsys):
     save_two_modules(tmp_path / "e.npz", seed=0)
     out = tmp_path / "graphs" / "self.graphml"
@@ -481,10 +500,13 @@ def test_export_epoch_never_replaces_a_file(tmp_path, monkeypatch, hard_links):
     assert [path.name for path in written] == ["run-epoch=0002-step=30-v1.npz", "run-epoch=0002-step=30-v2.npz"]
     assert (folder / "run-epoch=0002-step=30.npz").read_bytes() == b"another run's export"
     assert exported_files(folder) == sorted(["run-epoch=0002-step=30.npz", *(path.name for path in written)])
+    umask = os.umask(0o022)
+    os.umask(umask)
     for path in written:
         record = load_epoch(path)
         assert (record.epoch, record.global_step, record.labels) == (2, 30, {"src": LABELS})
         assert_stats_equal(record.modules[SELF], stats[SELF])
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # as open() makes it, not mkstemp's 0600
 
 
 def test_export_name_keeps_0_1_0_names_for_the_default_prefix():

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attn_callbacks.base.config import short_repr
+from attn_callbacks.base.files import as_umask_allows
 from attn_callbacks.output.export import epoch_writer
 from attn_callbacks.sums.accumulator import AttentionStats
 
@@ -154,6 +155,7 @@ def export_epoch(
     try:
         with os.fdopen(descriptor, "wb") as file:
             write(file)
+        as_umask_allows(scratch)
         return _publish(Path(scratch), directory, lambda version: export_name(prefix, epoch, step, suffix, version))
     finally:
         Path(scratch).unlink(missing_ok=True)

@@ -84,6 +84,11 @@ def export_graph(
         what = "a folder" if blocking == path else f"below {str(blocking)!r}, which is not a folder"
         raise ValueError(f"Expected argument `path` to be a file to write, but got {str(path)!r}, {what}")
     num_heads, vocab_q, vocab_k = stats.attention_sum.shape
+    if head is not None and num_heads == 1 < stats.position_sums.shape[-1]:  # per_head=False: the head mean only
+        raise ValueError(
+            f"Expected argument `head` to be None for sums of the head mean only (monitored with per_head=False, "
+            f"{stats.position_sums.shape[-1]} heads), but got {head!r}"
+        )
     if head is not None and (isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < num_heads):
         raise ValueError(f"Expected argument `head` to be None or an integer in [0, {num_heads}), but got {head!r}")
     if isinstance(min_weight, bool) or not isinstance(min_weight, (int, float)) or not min_weight >= 0:
