@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -282,11 +281,13 @@ class AttentionMonitor(MonitorOptions, Callback):
             base = self._sites.base(name)
             if self._streams.wire_call(name, base, self.attention_streams):
                 # A second pass of one encoder over other inputs (a bi-encoder's pair) lands here too, on the wrong ids.
-                rank_zero_warn(
+                # Once per module: a layer shared by 12 (ALBERT) makes 11 such calls.
+                self._report.warn_once(
+                    f"call:{base}",
                     f"AttentionMonitor: module {base!r} called scaled_dot_product_attention again in the same batch; "
-                    f"this call is summed apart as {name!r}, read against the module's own streams "
-                    f"{self._streams.of[name]}. If it attends over other tokens (the same encoder run on a second "
-                    f"input, say), name its streams in `attention_streams` (a pattern matching {name!r})"
+                    f"such calls are summed apart ({name!r}, ...), read against the module's own streams "
+                    f"{self._streams.of[name]}. If they attend over other tokens (the same encoder run on a second "
+                    f"input, say), name their streams in `attention_streams` (a pattern matching {name!r})",
                 )
             self._streams.check_call(name)
             self._sums.allocate(name, self._shapes()[name], weights.device)

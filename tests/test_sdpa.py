@@ -280,15 +280,16 @@ class BiEncoder(nn.Module):
         self.gpt = TinyGPT(layers=1)
 
     def forward(self, ids):
-        return self.gpt(ids) + self.gpt(ids.flip(-1))
+        return self.gpt(ids) + self.gpt(ids.flip(-1)) + self.gpt(ids.roll(1, -1))  # a query and two passages
 
 
 def test_a_second_sdpa_pass_of_a_module_is_named_apart_and_warned_unless_attention_streams_maps_it(tmp_path):
     with pytest.warns(
         UserWarning, match=r"'model.gpt.blocks.0.attn.call1'.*\('tokens', 'tokens'\).*`attention_streams`"
-    ):
+    ) as caught:
         run(tmp_path / "a", BiEncoder().eval(), AttentionMonitor(vocab_size=12, token_ids="ids"), gpt_batches())
-    mapped = AttentionMonitor(vocab_size=12, token_ids="ids", attention_streams={"*.call1": ("tokens", "tokens")})
+    assert sum("again in the same batch" in str(w.message) for w in caught) == 1  # once per module, not per call
+    mapped = AttentionMonitor(vocab_size=12, token_ids="ids", attention_streams={"*.call?": ("tokens", "tokens")})
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*called scaled_dot_product_attention again")
         run(tmp_path / "b", BiEncoder().eval(), mapped, gpt_batches())
