@@ -51,9 +51,10 @@ SERVER_TIMEOUT_S = 60.0
 UI_TIMEOUT_MS = 20_000
 
 # A vocabulary small enough to be tracked whole (no max_tracked_tokens): explorer ids are vocabulary ids and indices
-# into the exported sums. Labels with markup and URL characters check that the tab prints them as text.
+# into the exported sums. Labels with markup and URL characters check that the tab prints them as text; "#2" (the
+# search for id 2) and a carriage return (which the search box drops) that their own tokens can still be searched.
 VOCAB, PAD, LENGTH = 12, 0, 8
-LABELS = ["<pad>", "the", "cat", "sat", "on", "a", "mat", "<b>", "&=#?", "dog", "ran", "é"]
+LABELS = ["<pad>", "the", "cat", "sat", "on", "\r", "mat", "<b>", "&=#?", "dog", "#2", "é"]
 MODULE = "encoder.layers.0.self_attn"
 VIEW = f"attention/{MODULE}"
 RUN = "tiny/version_0"
@@ -149,12 +150,17 @@ def check_lists(shown: dict[str, list[dict]], reference: dict) -> None:
             p, lift, count = wanted[int(entry["id"])]
             where = f"{name}: {entry}"
             assert entry["label"] == LABELS[int(entry["id"])], where
-            assert entry["text"].split("\n")[0] == LABELS[int(entry["id"])], where  # as text, never as markup
+            assert entry["text"].split("\n")[0] == printed(LABELS[int(entry["id"])]), where  # text, never markup
             assert float(entry["p"]) == pytest.approx(p, **TOLERANCE), where
             assert float(entry["lift"]) == pytest.approx(lift, **TOLERANCE), where
             assert int(entry["count"]) == count, where
             # the readable figures: lift with 2 decimals, the count as an integer
             assert f"{float(entry['lift']):.2f}" in entry["text"] and f"{count:,}" in entry["text"], where
+
+
+def printed(label: str) -> str:
+    """How the tab prints a label: a carriage return drawn as ␍."""
+    return label.replace("\r", "␍")
 
 
 def free_port() -> int:
@@ -293,7 +299,7 @@ def check_tab(context, url: str, records: dict) -> None:
     cell.hover()
     tooltip = tab.get_by_role("tooltip")
     tooltip.wait_for()
-    assert f"query {LABELS[TOKEN]} (#{TOKEN}) → key {LABELS[key]} (#{key})" in tooltip.inner_text()
+    assert f"query {LABELS[TOKEN]} (#{TOKEN}) → key {printed(LABELS[key])} (#{key})" in tooltip.inner_text()
     assert f"lift {float(cell.get_attribute('data-lift')):.2f}" in tooltip.inner_text()
     # The drift view: its top keys' P at both epochs, and the row's drift into epoch 1.
     lines = tab.get_by_role("img", name="P across epochs").locator("path[data-key]")
@@ -331,6 +337,15 @@ def check_tab(context, url: str, records: dict) -> None:
     tab.locator("html.dark").wait_for(state="attached")
     page.evaluate("document.body.classList.remove('dark-mode')")
     tab.locator("html:not(.dark)").wait_for(state="attached")
+
+    # "#2" searches id 2, not the token labelled "#2"; that one and "\r" are searched by their suggestions.
+    suggestions = tab.locator("datalist option").evaluate_all("options => options.map(option => option.value)")
+    shadow, blank = LABELS.index("#2"), LABELS.index("\r")
+    assert {f"#2 #{shadow}", f"␍ #{blank}"} <= set(suggestions) and "#2" not in suggestions
+    for text, token in (("#2", TOKEN), (f"#2 #{shadow}", shadow), (f"␍ #{blank}", blank)):
+        search.fill(text)
+        search.press("Enter")
+        tab.locator(f'strong[data-token="{token}"][data-epoch="0"][data-head="1"]').wait_for()
 
     # A token that is not stored; a run whose epoch is unreadable (the run switch keeps epoch 0); a run without data.
     search.fill("#99")

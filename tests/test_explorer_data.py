@@ -70,6 +70,15 @@ def test_views_are_listed_from_the_folder_sorted_by_step(tmp_path):
     assert list_views(tmp_path / "missing") == {}
 
 
+def test_folders_the_monitor_did_not_write_are_not_views(tmp_path):
+    path, _ = write(tmp_path)
+    root = path.parent.parent
+    for name in (os.fsencode("attention%2Fenc.0") + b"\xff", b"attention/enc.1".replace(b"/", b"%2f"), b"a b"):
+        (root / os.fsdecode(name)).mkdir()  # not UTF-8; lower-case quoting; an unquoted space
+        (root / os.fsdecode(name) / path.name).write_bytes(path.read_bytes())
+    assert list(list_views(tmp_path)) == ["attention/enc.0"]
+
+
 def test_rewriting_an_epoch_replaces_its_planes_and_removes_the_old(tmp_path):
     path, _ = write(tmp_path, seed=0)
     version = list_views(tmp_path)["attention/enc.0"][0][2]

@@ -170,7 +170,8 @@ def list_views(run_dir: str | os.PathLike) -> dict[str, list[tuple[int, int, int
     data. ``version`` is the JSON file's modification time in nanoseconds: it changes when an epoch is rewritten, so a
     URL that carries it may be cached.
 
-    The names come from the folder's own listing (never from a request): each view folder's name %-unquoted.
+    The names come from the folder's own listing (never from a request): each view folder's name %-unquoted. A
+    folder whose name :func:`write_epoch` would not have written (not its %-quoting, or not UTF-8) is not a view.
     """
     root = folder(run_dir)
     try:
@@ -179,7 +180,7 @@ def list_views(run_dir: str | os.PathLike) -> dict[str, list[tuple[int, int, int
         return {}
     views: dict[str, list[tuple[int, int, int]]] = {}
     for entry in entries:
-        if not entry.is_dir() or entry.name.startswith("."):
+        if not entry.is_dir() or entry.name.startswith(".") or not _quoted(entry.name):
             continue
         epochs = []
         for file in os.scandir(entry.path):
@@ -192,6 +193,14 @@ def list_views(run_dir: str | os.PathLike) -> dict[str, list[tuple[int, int, int
         if epochs:
             views[unquote(entry.name)] = sorted(epochs, key=lambda item: (item[1], item[0]))
     return views
+
+
+def _quoted(name: str) -> bool:
+    """Whether a folder name is a view's %-quoting (a name that is not UTF-8 is listed with surrogates: never)."""
+    try:
+        return view_folder(unquote(name)) == name
+    except UnicodeEncodeError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ const DEFAULT_SIZE = 24;
 const MAX_SIZE = 128; // an SVG of 128² cells still draws in well under a second
 const HISTORY_KEYS = 5;
 const REFRESH_MS = 30000;
+const ID_SEARCH = /^#(\d+)$/; // "#12" searches the token with id 12
 const SCRUB_DELAY_MS = 120;
 const HOW_TO =
   "an AttentionMonitor with a TensorBoardLogger writes it into <run>/plugins/attention_explorer/ at each monitored " +
@@ -283,16 +284,18 @@ const BIDI = /[\u0590-\u08ff\u200e\u200f\u202a-\u202e\u2066-\u2069\ufb1d-\ufdff\
 
 function shown(label, length = Infinity) {
   if (label === null || label === undefined) return "?";
-  if (label === "") return "∅";
-  const text = cut(
-    label
-      .replace(/\n/g, "↵")
-      .replace(/\r/g, "␍")
-      .replace(/\t/g, "⇥")
-      .replace(/^ +| +$/g, (spaces) => "␣".repeat(spaces.length)),
-    length,
-  );
+  const text = cut(visible(label), length);
   return BIDI.test(text) ? `\u2068${text}\u2069` : text;
+}
+
+// A label with its invisible parts drawn: line breaks, tabs, edge spaces, the empty label.
+function visible(label) {
+  if (label === "") return "∅";
+  return label
+    .replace(/\n/g, "↵")
+    .replace(/\r/g, "␍")
+    .replace(/\t/g, "⇥")
+    .replace(/^ +| +$/g, (spaces) => "␣".repeat(spaces.length));
 }
 
 function cut(text, length) {
@@ -750,10 +753,12 @@ function tokensOf(body, cross) {
   });
   const seen = new Map();
   for (const token of byKey.values()) seen.set(token.label, (seen.get(token.label) ?? 0) + 1);
-  // A suggestion must name one token: a label two tokens share gets the id (and the axis).
+  // A suggestion must name one token and survive the search box, which drops line breaks: a label two tokens share,
+  // one that reads as "#id" (the search for that id), and one with invisible parts get the id (and the axis).
   for (const token of byKey.values()) {
     const which = token.side ? ` (${token.side} #${token.id})` : ` #${token.id}`;
-    token.text = seen.get(token.label) > 1 ? `${token.label}${which}` : token.label;
+    const plain = seen.get(token.label) === 1 && visible(token.label) === token.label && !ID_SEARCH.test(token.label);
+    token.text = plain ? token.label : `${visible(token.label)}${which}`;
   }
   const byText = new Map([...byKey.values()].map((token) => [token.text, token]));
   return { byKey, byText, rows: body.query_ids.length, cols: body.key_ids.length };
@@ -780,7 +785,7 @@ function resolveToken(text) {
   const side = isCross() ? "query" : null; // an id alone names the query token
   const known = labels.byText.get(text);
   if (known) return { id: known.id, side: known.side };
-  const id = text.trim().match(/^#(\d+)$/);
+  const id = text.trim().match(ID_SEARCH);
   if (id) {
     const number = Number(id[1]);
     const key = labels.byKey.has(tokenKey(number, side)) || !isCross() ? side : "key";
