@@ -234,6 +234,20 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
 def _check_labels(name: str, old: EpochRecord, new: EpochRecord, args: argparse.Namespace) -> None:
     """Row a and column b mean the same tokens in both files, or the comparison is refused: the same shape is not the
     same vocabulary (another tokenizer, other tracked ids)."""
+    for side, axis in enumerate(("query", "key")):
+        old_stream, new_stream = old.streams[name][side], new.streams[name][side]
+        if old_stream not in old.vocab_ids or new_stream not in new.vocab_ids:  # a file written by 0.1.0
+            continue
+        size = new.modules[name].attention_sum.shape[1 + side]
+        ids = [(old.vocab_id(old_stream, i), new.vocab_id(new_stream, i)) for i in range(size)]
+        differing = next(((i, x, y) for i, (x, y) in enumerate(ids) if x != y), None)
+        if differing is not None:
+            index, old_id, new_id = differing
+            raise _InputError(
+                f"module {name!r}: {axis} index {index} is token id {old_id} in OLD ({args.old}) but {new_id} in NEW "
+                f"({args.new}) (None: <other>): the files track different tokens, not comparable (leave it out with "
+                "--modules)"
+            )
     (old_query, old_key), (new_query, new_key) = _labels(old, name), _labels(new, name)
     for axis, old_labels, new_labels in (("query", old_query, new_query), ("key", old_key, new_key)):
         if old_labels is None or new_labels is None:

@@ -146,6 +146,7 @@ def test_export_from_0_1_0_loads(name):
     assert (record.epoch, record.global_step) == (expected["epoch"], expected["global_step"])
     assert record.streams == {m: tuple(pair) for m, pair in expected["streams"].items()}
     assert record.labels == expected["labels"]
+    assert record.vocab_ids == {}  # 0.1.0 stored none: each index is read as its id
     assert list(record.modules) == list(expected["modules"]) == compat.LAYERS
     for layer, want in expected["modules"].items():
         stats = record.modules[layer]

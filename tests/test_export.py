@@ -101,6 +101,34 @@ def test_save_epoch_round_trips_every_field(tmp_path, suffix):
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".npz"])
+def test_save_epoch_round_trips_the_vocabulary_ids_of_tracked_streams(tmp_path, suffix):
+    path = tmp_path / f"e{suffix}"
+    stats = {SELF: accumulate(0), CROSS: accumulate(100, vocab_q=4, vocab_k=6)}
+    ids = {"src": [40, 7, 1000, 3, 12]}  # tracked: 5 ids and <other>
+    save_epoch(path, stats, streams=STREAMS, labels={}, epoch=0, global_step=1, vocab_ids=ids)
+    record = load_epoch(path)
+    assert record.vocab_ids == {"src": [40, 7, 1000, 3, 12], "tgt": None}
+    assert [record.vocab_id("src", i) for i in range(6)] == [40, 7, 1000, 3, 12, None]
+    assert [record.vocab_id("tgt", i) for i in range(4)] == [0, 1, 2, 3]
+    save_epoch(path, stats, streams=STREAMS, labels={}, epoch=0, global_step=1)
+    assert load_epoch(path).vocab_ids == {"src": None, "tgt": None}
+
+
+def test_save_epoch_refuses_vocabulary_ids_that_do_not_fit(tmp_path):
+    stats = {SELF: accumulate(0)}
+    for ids, message in (
+        ([1, 2, 3, 4, 5, 6], r"`vocab_ids` to give 5 integer ids for stream 'src' \(its 6 indices but the last"),
+        ([1, 2, 3.0, 4, 5], "`vocab_ids` to give 5 integer ids"),
+        ([1, 2, -3, 4, 5], "`vocab_ids` to hold ids >= 0 for stream 'src', but got -3"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            save_epoch(
+                tmp_path / "e.pt", stats, streams=STREAMS, labels={}, epoch=0, global_step=1, vocab_ids={"src": ids}
+            )
+    assert not (tmp_path / "e.pt").exists()
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".npz"])
 def test_save_epoch_round_trips_head_mean_sums_with_per_head_position_statistics(tmp_path, suffix):
     # per_head=False: one head-mean channel of S, position statistics still per head
     metric = AttentionAccumulator(HEADS, 6, 6, mean_of_heads=True)
@@ -277,6 +305,32 @@ def test_export_graph_escapes_labels_xml_cannot_hold(tmp_path):
     labels = ["\x00", "a\x1fb", "ok", "é", "<&>", ""]
     graph, _ = read_graph(export_graph(tmp_path / "g.graphml", accumulate(0), query_labels=labels))
     assert {graph.nodes[n]["label"] for n in graph} <= {"\\x00", "a\\x1fb", "ok", "é", "<&>", ""}
+
+
+@pytest.mark.parametrize("labels", [None, LABELS])
+def test_export_graph_names_a_tracked_streams_nodes_by_vocabulary_id(tmp_path, labels):
+    stats = accumulate(0)  # index 5 is <other>, the bucket of untracked ids
+    expected_mass, Q, summed = loop_mass(0)
+    ids = [40, 7, 1000, 3, 12]
+    graph, edges = read_graph(export_graph(tmp_path / "g.graphml", stats, query_labels=labels, query_ids=ids))
+    names = [*map(str, ids), "<other>"]
+    assert set(graph.nodes) == {names[a] for a in range(6) if Q[a] > 0 or summed[:, a].sum() > 0} and len(graph) == 6
+    for a, name in enumerate(names):
+        node = graph.nodes[name]
+        assert node.get("token_id") == (ids[a] if a < 5 else None)
+        assert node["label"] == (LABELS[a] if labels else name) and node["query_count"] == Q[a]
+    assert edges == pytest.approx(
+        {(names[a], names[b]): expected_mass[a, b] for a in range(6) for b in range(6) if expected_mass[a, b] > 0},
+        abs=1e-6,
+    )
+    cross, _ = read_graph(
+        export_graph(tmp_path / "c.graphml", accumulate(7, vocab_q=4, vocab_k=6), query_ids=[9, 8, 5], key_ids=ids)
+    )
+    assert {n for n in cross if n.startswith("q:")} <= {"q:9", "q:8", "q:5", "q:<other>"}
+    assert {n for n in cross if n.startswith("k:")} <= {f"k:{name}" for name in names}
+    assert cross.nodes["q:9"]["token_id"] == 9 and cross.nodes["q:9"]["label"] == "9"
+    with pytest.raises(ValueError, match=r"`query_ids` to hold 5 ids \(the sums' 6 indices but the last, <other>\)"):
+        export_graph(tmp_path / "g.graphml", stats, query_ids=ids[:3])
 
 
 def test_epoch_record_export_graph_uses_streams_and_labels(tmp_path):
@@ -457,6 +511,28 @@ def test_export_two_validate_calls_at_one_step_keep_both_epochs(tmp_path):
     assert not torch.equal(query_counts(first), query_counts(second))
 
 
+def test_export_of_a_tracked_run_names_graph_nodes_by_vocabulary_id(tmp_path, capsys):
+    batches = helpers.make_batches(n=8)
+    monitor = exporting_monitor(export_dir=tmp_path / "exports", tracked_ids=[9, 4, 2])
+    run_validate(tmp_path, monitor, batches)
+    (path,) = (tmp_path / "exports").iterdir()
+    record = load_epoch(path)
+    tracked = record.vocab_ids["tokens"]
+    assert sorted(tracked) == [2, 4, 9] and record.labels["tokens"] == [*map(str, tracked), "<other>"]
+    counts = query_counts(batches)  # by vocabulary id; <other> holds every other id's queries
+    expected = [*counts[tracked].tolist(), int(counts.sum() - counts[tracked].sum())]
+    assert record.modules[LAYERS[0]].query_count.tolist() == expected
+
+    out = tmp_path / "g.graphml"
+    assert main(["graph", str(path), LAYERS[0], str(out)]) == 0 and capsys.readouterr().err == ""
+    graph, _ = read_graph(out)
+    nodes = [*map(str, tracked), "<other>"]
+    assert {node: graph.nodes[node].get("token_id") for node in graph} == dict(
+        zip(nodes, [*tracked, None], strict=True)
+    )
+    assert {node: graph.nodes[node]["query_count"] for node in graph} == dict(zip(nodes, expected, strict=True))
+
+
 def test_export_two_monitors_on_one_trainer_write_their_own_files(tmp_path):
     batches = helpers.make_batches(n=8)
     first = exporting_monitor(modules=[f"{LAYERS[0]}*"])
@@ -485,6 +561,9 @@ class FakeStreams:
 
     def full_labels(self, stream):
         return LABELS
+
+    def vocab_ids(self, stream):
+        return None
 
 
 @pytest.mark.parametrize("hard_links", [True, False])
@@ -578,6 +657,22 @@ def test_main_compare_refuses_files_that_label_tokens_differently(tmp_path, caps
         f"in NEW ({new}): the files count different tokens, not comparable (leave it out with --modules)"
     )
     assert main(["compare", old, old]) == 0 and capsys.readouterr().err == ""  # same labels: compared, no warning
+
+
+def test_main_compare_refuses_files_that_track_different_ids(tmp_path, capsys):
+    stats = {SELF: accumulate(0)}
+    for name, ids in (("old.pt", [40, 7, 1000, 3, 12]), ("new.pt", [40, 7, 1000, 3, 13]), ("same.pt", None)):
+        tracked = {"src": ids}
+        save_epoch(tmp_path / name, stats, streams=STREAMS, labels={}, epoch=0, global_step=1, vocab_ids=tracked)
+    old, new = str(tmp_path / "old.pt"), str(tmp_path / "new.pt")
+    assert main(["compare", old, new]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"python -m attn_callbacks compare: error: module {SELF!r}: query index 4 is token id 12 in OLD ({old}) but 13 "
+        f"in NEW ({new}) (None: <other>): the files track different tokens, not comparable (leave it out with "
+        "--modules)"
+    )
+    assert main(["compare", str(tmp_path / "same.pt"), new]) == 2  # untracked against tracked: index 0 is id 0 vs 40
+    assert main(["compare", old, old, "--top", "0"]) == 0
 
 
 def test_main_compare_warns_when_one_file_has_no_labels(tmp_path, capsys):

@@ -169,6 +169,12 @@ class Streams:
         heatmap or a table (it would lead them all)."""
         return slice(0, len(self.tracked[stream])) if stream in self.tracked else slice(None)
 
+    def vocab_ids(self, stream: str) -> list[int] | None:
+        """The vocabulary id of each accumulated index of a tracked stream but the last, ``<other>``; None for an
+        untracked stream, whose indices are its ids."""
+        tracked = self.tracked.get(stream)
+        return None if tracked is None else tracked.tolist()
+
     def sink_indices(self, stream: str) -> list[int]:
         """The accumulated indices of a key stream's ``sink_ids`` (compact indices when tracked: sinks always are)."""
         sinks = self.sinks.get(stream, [])

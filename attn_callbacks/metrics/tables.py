@@ -296,7 +296,7 @@ def module_tables(
             (*pair, p, q, int(c))
             for pair, p, q, c in zip(_labelled(found, query_labels, key_labels), there, back, seen, strict=True)
         ]
-        header = ("query a", "key b", "(P[a,b]-P[b,a])/(P[a,b]+P[b,a])", "P[a,b]", "P[b,a]", "pairs C[a,b]")
+        header = ("query a", "key b", "(P̄[a,b]-P̄[b,a])/(P̄[a,b]+P̄[b,a])", "P̄[a,b]", "P̄[b,a]", "pairs C[a,b]")
         tables["one_way_pairs"] = table(header, rows, f"{needs} in both directions.")
     query_count = stats.query_count
     shown, uniform = mass[tq, tk], stats.uniform_sum[tq, tk]
@@ -312,7 +312,7 @@ def module_tables(
         top, mass.device, lambda a, b: mass[a, b], lambda a, b: stats.uniform_sum[a, b] / query_count[a]
     )
     rows = [(*pair, p, u) for pair, p, u in zip(_labelled(top, query_labels, key_labels), there, chance, strict=True)]
-    header = ("query a", "key b", "lift S/U", "P[a,b]", "uniform U[a,b]/Q[a]")
+    header = ("query a", "key b", "lift S̄/U", "P̄[a,b]", "uniform U[a,b]/Q[a]")
     tables["lift_pairs"] = table(header, rows, f"{needs}.")
     drifts = drifts or {}
     if reference is not None and "ref" in drifts:

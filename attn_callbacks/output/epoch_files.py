@@ -146,7 +146,8 @@ def export_epoch(
         return None
     epoch, step, suffix = trainer.current_epoch, trainer.global_step, f".{export}"
     labels = {stream: streams.full_labels(stream) for stream in streams.names}
-    write = epoch_writer(suffix, merged, streams.of, labels, epoch, step)
+    vocab_ids = {stream: streams.vocab_ids(stream) for stream in streams.names}
+    write = epoch_writer(suffix, merged, streams.of, labels, epoch, step, vocab_ids)
     directory.mkdir(parents=True, exist_ok=True)
     # Written under a hidden name that no reader takes for an export, then given its name without replacing a file.
     descriptor, scratch = tempfile.mkstemp(

@@ -98,8 +98,5 @@ def explorer_view(
 
 def _vocab_ids(tokens: Streams, stream: str, indices: list[int]) -> list[int]:
     """Accumulated indices -> vocabulary ids (a tracked stream's compact indices are not ids)."""
-    tracked = tokens.tracked.get(stream)
-    if tracked is None:
-        return indices
-    ids = tracked.tolist()
-    return [ids[i] for i in indices]
+    ids = tokens.vocab_ids(stream)
+    return indices if ids is None else [ids[i] for i in indices]

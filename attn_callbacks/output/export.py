@@ -1,6 +1,6 @@
 """Saving one epoch's attention sums to disk and reading them back (:mod:`.graph` exports an attention graph).
 
-An *epoch export* holds, per attention module, only the raw sums of :class:`~attn_callbacks.metrics.AttentionStats`
+An *epoch export* holds, per attention module, only the raw sums of :class:`~attn_callbacks.AttentionStats`
 (``S``, ``C``, ``Q``, ``skipped_rows``, ``U``, ``position_sums``): everything else is derived from them on load, so a
 loaded epoch gives exactly (``torch.equal``) what :meth:`AttentionAccumulator.compute` gave. Two formats, chosen by
 the file suffix:
@@ -10,7 +10,12 @@ the file suffix:
 
       {"format": "attn_callbacks.epoch", "version": 1, "epoch": int, "global_step": int,
        "streams": {module: [query_stream, key_stream]}, "labels": {stream: [str, ...] or None},
+       "vocab_ids": {stream: [int, ...] or None},
        "modules": {module: {"attention_sum": Tensor, "pair_count": Tensor, ...}}}
+
+  ``vocab_ids`` gives, for a stream tracked to its most frequent ids (``max_tracked_tokens``, ``tracked_ids``), the
+  vocabulary id of each row or column of the sums but the last, ``<other>``: the bucket of every untracked id. It is
+  None (absent in files written by 0.1.0) where the sums' indices are the vocabulary ids.
 
 - ``.npz``: ``numpy.savez_compressed``, loadable with ``numpy.load(path, allow_pickle=False)``: the arrays
   ``"{i}.attention_sum"``, ``"{i}.pair_count"`` ... for the ``i``-th module, and ``"__meta__"``, a 0-d string array
@@ -27,18 +32,16 @@ import os
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from attn_callbacks.base.config import short_repr
 from attn_callbacks.base.files import write_atomically
 from attn_callbacks.sums.accumulator import SUM_FIELDS, AttentionStats
 from attn_callbacks.sums.step import POSITION_STATS
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["FORMAT_VERSION", "EpochRecord", "epoch_writer", "load_epoch", "save_epoch"]
 
@@ -59,7 +62,10 @@ class EpochRecord(NamedTuple):
         global_step: the trainer's ``global_step`` when it was saved.
         modules: attention module name -> its statistics, with ``P = S / Q`` and ``M = S / C`` derived again.
         streams: module name -> ``(query_stream, key_stream)``; a module is self-attention when both are equal.
-        labels: stream name -> whole token strings for ids ``0 .. V-1``, or None when the run had no labels.
+        labels: stream name -> whole token strings of the sums' indices ``0 .. V-1`` (for a tracked stream, its
+            tracked tokens' and then ``"<other>"``), or None when the run had no labels.
+        vocab_ids: stream name -> the vocabulary id of each index of a tracked stream but its last (``<other>``), or
+            None where each index is its vocabulary id.
     """
 
     epoch: int
@@ -67,6 +73,20 @@ class EpochRecord(NamedTuple):
     modules: dict[str, AttentionStats]
     streams: dict[str, tuple[str, str]]
     labels: dict[str, list[str] | None]
+    vocab_ids: dict[str, list[int] | None] = {}  # noqa: RUF012  (read-only: a NamedTuple's default)
+
+    def vocab_id(self, stream: str, index: int) -> int | None:
+        """The vocabulary id of row or column ``index`` of a stream's sums; None for a tracked stream's ``<other>``.
+
+        Example:
+            >>> record = EpochRecord(0, 0, {}, {}, {"tokens": None}, {"tokens": [7, 3]})
+            >>> [record.vocab_id("tokens", index) for index in range(3)]
+            [7, 3, None]
+        """
+        ids = self.vocab_ids.get(stream)
+        if ids is None:
+            return index
+        return ids[index] if index < len(ids) else None
 
     def export_graph(
         self, module: str, path: str | os.PathLike, *, head: int | None = None, min_weight: float = 0.0
@@ -92,6 +112,8 @@ class EpochRecord(NamedTuple):
             self.modules[module],
             query_labels=self.labels.get(query_stream),
             key_labels=self.labels.get(key_stream),
+            query_ids=self.vocab_ids.get(query_stream),
+            key_ids=self.vocab_ids.get(key_stream),
             self_attention=query_stream == key_stream,
             head=head,
             min_weight=min_weight,
@@ -107,6 +129,7 @@ def save_epoch(
     labels: Mapping[str, Sequence[str] | None],
     epoch: int,
     global_step: int,
+    vocab_ids: Mapping[str, Sequence[int] | None] | None = None,
 ) -> Path:
     """Save the raw attention sums of one epoch, for every module, to a ``.pt`` or ``.npz`` file.
 
@@ -120,17 +143,19 @@ def save_epoch(
         path: the file to write; its suffix picks the format: ``.pt`` or ``.npz``.
         stats: attention module name -> its statistics (what :meth:`AttentionAccumulator.compute` returned).
         streams: module name -> ``(query_stream, key_stream)``, for every module in ``stats``.
-        labels: stream name -> whole token strings for ids ``0 .. V-1`` of that stream, or None. A stream missing
-            here is saved as None.
+        labels: stream name -> whole token strings of the indices ``0 .. V-1`` of that stream's sums, or None. A
+            stream missing here is saved as None.
         epoch: the epoch number to record.
         global_step: the global step to record.
+        vocab_ids: stream name -> for a stream whose sums hold tracked ids and ``<other>`` last, the vocabulary id of
+            each index but the last; None (or a stream missing here) where each index is its vocabulary id.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        ValueError: for an unknown suffix, a module without streams, or labels whose length is not the vocabulary
-            size of the stream.
+        ValueError: for an unknown suffix, a module without streams, labels whose length is not the vocabulary size
+            of the stream, or ``vocab_ids`` that are not one non-negative integer per index but the last.
 
     Example:
         >>> import tempfile, torch
@@ -144,7 +169,7 @@ def save_epoch(
         [[0.5, 0.5], [0.0, 1.0]]
     """
     path = Path(path)
-    write = epoch_writer(_format_of(path), stats, streams, labels, epoch, global_step)
+    write = epoch_writer(_format_of(path), stats, streams, labels, epoch, global_step, vocab_ids)
     write_atomically(path, write)
     return path
 
@@ -156,6 +181,7 @@ def epoch_writer(
     labels: Mapping[str, Sequence[str] | None],
     epoch: int,
     global_step: int,
+    vocab_ids: Mapping[str, Sequence[int] | None] | None = None,
 ) -> Callable[[BinaryIO], Any]:
     """Check :func:`save_epoch`'s arguments and copy the sums to the CPU; return what writes them to an open file in
     the format of ``suffix``."""
@@ -185,6 +211,7 @@ def epoch_writer(
                     f"but got {len(tokens)}"
                 )
         saved_labels[stream] = tokens
+    saved_ids = {stream: _vocab_ids(stream, (vocab_ids or {}).get(stream), size) for stream, size in vocab.items()}
 
     header = {
         "format": _FORMAT_NAME,
@@ -193,6 +220,7 @@ def epoch_writer(
         "global_step": global_step,
         "streams": saved_streams,
         "labels": saved_labels,
+        "vocab_ids": saved_ids,
     }
     if suffix == ".pt":
         return lambda file: torch.save({**header, "modules": modules}, file)
@@ -213,6 +241,20 @@ def epoch_writer(
         return lambda file: np.savez_compressed(file, **arrays)
 
 
+def _vocab_ids(stream: str, ids: Sequence[int] | None, size: int) -> list[int] | None:
+    if ids is None:
+        return None
+    ids = list(ids)
+    if len(ids) != size - 1 or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        raise ValueError(
+            f"Expected argument `vocab_ids` to give {size - 1} integer ids for stream {stream!r} (its {size} indices "
+            f"but the last, <other>), but got {short_repr(ids)}"
+        )
+    if any(i < 0 for i in ids):
+        raise ValueError(f"Expected argument `vocab_ids` to hold ids >= 0 for stream {stream!r}, but got {min(ids)}")
+    return [int(i) for i in ids]
+
+
 def _to_numpy(tensor: Tensor) -> np.ndarray:
     # numpy has no bfloat16; float32 holds every bfloat16 exactly, and the recorded dtype casts it back on load.
     return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
@@ -222,8 +264,8 @@ def _to_numpy(tensor: Tensor) -> np.ndarray:
 def load_epoch(path: str | os.PathLike) -> EpochRecord:
     """Read an epoch written by :func:`save_epoch` (either format) and derive ``P`` and ``M`` again.
 
-    Each module's :class:`~attn_callbacks.metrics.AttentionStats` is rebuilt from the stored sums through
-    :func:`attn_callbacks.metrics.stats_from_sums` (``P = S / Q[:, None]``, ``M = S / C`` per head, see
+    Each module's :class:`~attn_callbacks.AttentionStats` is rebuilt from the stored sums (``P = S / Q[:, None]``,
+    ``M = S / C`` per head, see
     :func:`attn_callbacks.functional.attention_mass` and :func:`attn_callbacks.functional.mean_weight`), so every field
     equals exactly what :meth:`AttentionAccumulator.compute` returned when the epoch was saved. Tensors are on the CPU.
 
@@ -248,6 +290,10 @@ def load_epoch(path: str | os.PathLike) -> EpochRecord:
             str(stream): None if tokens is None else [str(token) for token in tokens]
             for stream, tokens in dict(header["labels"]).items()
         }
+        vocab_ids = {
+            str(stream): None if ids is None else [int(i) for i in ids]
+            for stream, ids in dict(header.get("vocab_ids") or {}).items()
+        }
         epoch, global_step = int(header["epoch"]), int(header["global_step"])
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise ValueError(f"{str(path)!r} is not a valid attention epoch export: bad metadata ({error!r})") from None
@@ -256,8 +302,12 @@ def load_epoch(path: str | os.PathLike) -> EpochRecord:
         if name not in streams:
             raise ValueError(f"{str(path)!r} is not a valid attention epoch export: no streams for module {name!r}")
         _check_sums(name, module_sums, where=repr(str(path)))
+        for stream, size in zip(streams[name], module_sums["attention_sum"].shape[1:], strict=True):
+            if vocab_ids.get(stream) is not None and len(vocab_ids[stream]) != size - 1:
+                why = f"{len(vocab_ids[stream])} vocab_ids for stream {stream!r}, whose sums have {size} indices"
+                raise ValueError(f"{str(path)!r} is not a valid attention epoch export: {why}")
         modules[name] = AttentionStats(*(module_sums[field] for field in SUM_FIELDS))
-    return EpochRecord(epoch=epoch, global_step=global_step, modules=modules, streams=streams, labels=labels)
+    return EpochRecord(epoch, global_step, modules, streams, labels, vocab_ids)
 
 
 def _not_an_export(path: Path, why: str) -> ValueError:

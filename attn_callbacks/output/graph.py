@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from attn_callbacks.base.files import write_atomically
+from attn_callbacks.base.labels import OTHER_LABEL
 from attn_callbacks.metrics.summary import in_degree
 from attn_callbacks.metrics.tables import pagerank
 from attn_callbacks.output.epoch_files import not_a_folder
@@ -32,6 +33,8 @@ def export_graph(
     *,
     query_labels: Sequence[str] | None = None,
     key_labels: Sequence[str] | None = None,
+    query_ids: Sequence[int] | None = None,
+    key_ids: Sequence[int] | None = None,
     self_attention: bool | None = None,
     head: int | None = None,
     min_weight: float = 0.0,
@@ -43,22 +46,28 @@ def export_graph(
     with ``weight > min_weight`` are written. Nodes are the tokens seen: ``Q[a] > 0`` or some head gave the token
     attention as a key. Node attributes:
 
-    - ``label``: the token string (its id when there are no labels); ``token_id``: its id;
+    - ``label``: the token string (its id when there are no labels); ``token_id``: its vocabulary id;
     - ``query_count``: ``Q[a]``, how often the token was a query;
     - ``in_degree``: its share of all attention received, ``Σ_a S̄[a, b] / Σ_a Q[a]``
       (:func:`attn_callbacks.functional.in_degree`, with ``S̄`` the sum of the graph's head or the head average);
-    - self-attention only: ``pagerank`` of the walk that follows attention
-      (:func:`attn_callbacks.functional.pagerank` of the whole ``P̄``).
+    - self-attention only: ``pagerank`` of the walk that follows the graph's attention
+      (:func:`attn_callbacks.functional.pagerank` of ``P̄``, or of ``P[head]``, over every index of the sums: ids
+      never seen take part in the uniform restart, so the nodes' values can sum to less than 1).
 
-    Self-attention (one vocabulary) gives one node per token, with the token id as node id. Cross-attention gives a
-    bipartite graph: query nodes ``"q:<id>"`` and key nodes ``"k:<id>"``, with attribute ``role`` (``"query"`` or
-    ``"key"``); key nodes have ``query_count`` 0 and query nodes ``in_degree`` 0, as edges only go query → key.
+    Self-attention (one vocabulary) gives one node per token, with the token's vocabulary id as node id.
+    Cross-attention gives a bipartite graph: query nodes ``"q:<id>"`` and key nodes ``"k:<id>"``, with attribute
+    ``role`` (``"query"`` or ``"key"``); key nodes have ``query_count`` 0 and query nodes ``in_degree`` 0, as edges
+    only go query → key. A stream tracked to its most frequent ids (``query_ids`` / ``key_ids`` given) has a node
+    ``"<other>"`` (``"q:<other>"``, ``"k:<other>"``) for the bucket of every untracked id, without ``token_id``.
 
     Args:
         path: the file to write (parent directories are created).
         stats: the module's statistics.
         query_labels: token strings of the query vocabulary, or None for ids.
         key_labels: token strings of the key vocabulary, or None for ids. Ignored for self-attention.
+        query_ids: for a tracked query stream, the vocabulary id of each index of the sums but the last, ``<other>``
+            (:attr:`EpochRecord.vocab_ids`); None when each index is its id.
+        key_ids: the same for the key stream. Ignored for self-attention.
         self_attention: whether queries and keys are the same stream. None: when ``Vq == Vk``. Pass False for
             cross-attention between two vocabularies of the same size.
         head: a head index for that head's graph; None for the head average.
@@ -112,8 +121,12 @@ def export_graph(
     # One node set for every head choice, so graphs of different heads line up.
     queried = (query_count > 0).tolist()
     received = (attention_sum.sum(dim=(0, 1)) > 0).tolist()
-    q_names = _labels("query_labels", query_labels, vocab_q)
-    k_names = q_names if self_attention else _labels("key_labels", key_labels, vocab_k)
+    q_ids = _vocab_ids("query_ids", query_ids, vocab_q)
+    k_ids = q_ids if self_attention else _vocab_ids("key_ids", key_ids, vocab_k)
+    q_names = _labels("query_labels", query_labels, q_ids)
+    k_names = q_names if self_attention else _labels("key_labels", key_labels, k_ids)
+    q_nodes = [OTHER_LABEL if i is None else i for i in q_ids]
+    k_nodes = [OTHER_LABEL if i is None else i for i in k_ids]
 
     graph = nx.DiGraph(head="mean" if head is None else str(head), min_weight=float(min_weight))
     if self_attention:
@@ -121,33 +134,34 @@ def export_graph(
         for token in range(vocab_q):
             if queried[token] or received[token]:
                 graph.add_node(
-                    token,
+                    q_nodes[token],
                     label=q_names[token],
-                    token_id=token,
+                    **_token_id(q_ids[token]),
                     query_count=int(query_count[token]),
                     in_degree=float(degree[token]),
                     pagerank=float(rank[token]),
                 )
 
         def query_node(token: int) -> Any:
-            return token
+            return q_nodes[token]
 
         key_node = query_node
     else:
-        for token in range(vocab_q):
-            if queried[token]:
-                attributes = {"label": q_names[token], "token_id": token, "role": "query"}
-                graph.add_node(f"q:{token}", **attributes, query_count=int(query_count[token]), in_degree=0.0)
-        for token in range(vocab_k):
-            if received[token]:
-                attributes = {"label": k_names[token], "token_id": token, "role": "key"}
-                graph.add_node(f"k:{token}", **attributes, query_count=0, in_degree=float(degree[token]))
 
         def query_node(token: int) -> Any:
-            return f"q:{token}"
+            return f"q:{q_nodes[token]}"
 
         def key_node(token: int) -> Any:
-            return f"k:{token}"
+            return f"k:{k_nodes[token]}"
+
+        for token in range(vocab_q):
+            if queried[token]:
+                attributes = {"label": q_names[token], **_token_id(q_ids[token]), "role": "query"}
+                graph.add_node(query_node(token), **attributes, query_count=int(query_count[token]), in_degree=0.0)
+        for token in range(vocab_k):
+            if received[token]:
+                attributes = {"label": k_names[token], **_token_id(k_ids[token]), "role": "key"}
+                graph.add_node(key_node(token), **attributes, query_count=0, in_degree=float(degree[token]))
 
     sources, targets = torch.nonzero(mass > min_weight, as_tuple=True)
     weights = mass[sources, targets].tolist()
@@ -158,11 +172,27 @@ def export_graph(
     return path
 
 
-def _labels(name: str, tokens: Sequence[str] | None, size: int) -> list[str]:
-    if tokens is None:
-        return [str(token) for token in range(size)]
-    if len(tokens) != size:
+def _vocab_ids(name: str, ids: Sequence[int] | None, size: int) -> list[int | None]:
+    """The vocabulary id of each index of the sums, None for a tracked stream's last index, ``<other>``."""
+    if ids is None:
+        return list(range(size))
+    if len(ids) != size - 1:
         raise ValueError(
-            f"Expected argument `{name}` to hold {size} tokens (the vocabulary size), but got {len(tokens)}"
+            f"Expected argument `{name}` to hold {size - 1} ids (the sums' {size} indices but the last, <other>), "
+            f"but got {len(ids)}"
+        )
+    return [int(i) for i in ids] + [None]
+
+
+def _token_id(vocab_id: int | None) -> dict[str, int]:
+    return {} if vocab_id is None else {"token_id": vocab_id}
+
+
+def _labels(name: str, tokens: Sequence[str] | None, ids: list[int | None]) -> list[str]:
+    if tokens is None:
+        return [OTHER_LABEL if i is None else str(i) for i in ids]
+    if len(tokens) != len(ids):
+        raise ValueError(
+            f"Expected argument `{name}` to hold {len(ids)} tokens (the vocabulary size), but got {len(tokens)}"
         )
     return [_xml_safe(str(token)) for token in tokens]
