@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -41,26 +42,33 @@ class Schedule:
         return seen % self.log_every_n_epochs == 0
 
     @staticmethod
-    def loaders(trainer: Trainer) -> tuple[Any, list[int | float], int]:
-        """The evaluation dataloaders of the running stage, their batch limits, and how many there are; known before
-        the epoch starts, and the same on every rank (so DDP ranks hold the same metrics)."""
+    def loaders(trainer: Trainer) -> tuple[list[Any], list[int | float], int]:
+        """The evaluation dataloaders of the running stage as a list (a dict's values, in order), their batch limits,
+        and how many there are; known before the epoch starts, and the same on every rank (so DDP ranks hold the same
+        metrics)."""
         if trainer.testing:
             loaders, limits = trainer.test_dataloaders, trainer.num_test_batches
         else:
             loaders, limits = trainer.val_dataloaders, trainer.num_val_batches
         batches = trainer.num_sanity_val_batches if trainer.sanity_checking else limits
-        return loaders, limits, max(len(batches), 1)
+        if loaders is None:
+            loaders = []
+        elif isinstance(loaders, Mapping):
+            loaders = list(loaders.values())
+        elif not isinstance(loaders, (list, tuple)):
+            loaders = [loaders]
+        return list(loaders), limits, max(len(batches), 1)
 
     def batch(self, batch_idx: int) -> bool:
         """Whether batch ``batch_idx`` of a dataloader of a monitored epoch is monitored."""
         return self.limit_batches is None or batch_idx < self.limit_batches
 
-    def check_loaders(self, loaders: Any) -> None:
-        """With a batch limit, warn (once) when a loader shuffles: each epoch would watch other samples, and drift
-        would compare different batches."""
+    def check_loaders(self, loaders: list[Any]) -> None:
+        """With a batch limit, warn (once) when one of the ``loaders`` shuffles: each epoch would watch other samples,
+        and drift would compare different batches."""
         if self.limit_batches is None or self._warned:
             return
-        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+        for loader in loaders:
             sampler = getattr(loader, "sampler", None) if isinstance(loader, DataLoader) else None
             if isinstance(sampler, RandomSampler) or (isinstance(sampler, DistributedSampler) and sampler.shuffle):
                 self._warned = True

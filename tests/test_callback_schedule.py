@@ -111,5 +111,8 @@ def test_callback_limit_batches_unhooks_after_n_batches_and_sums_only_those(tmp_
     shuffled = DataLoader(make_batches(seed=1), batch_size=1, collate_fn=collate, shuffle=True)
     with pytest.warns(UserWarning, match="`limit_batches`=2 watches the first batches of a validation loader that"):
         trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", limit_batches=2)]).validate(model, shuffled)
+    with pytest.warns(UserWarning, match="`limit_batches`=2 watches the first batches of a validation loader that"):
+        named = {"in_order": first, "shuffled": shuffled}  # a dict of loaders: its values are checked, not its keys
+        trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", limit_batches=2)]).validate(model, named)
     with pytest.raises(ValueError, match="`limit_batches` to be a positive integer, but got 0"):
         AttentionMonitor(VOCAB, "input_ids", limit_batches=0)

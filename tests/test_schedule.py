@@ -11,13 +11,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from attn_callbacks.schedule import Schedule
 
 
-def fake_trainer(fn=TrainerFn.FITTING, epoch=0, sanity=False, testing=False):
+def fake_trainer(fn=TrainerFn.FITTING, epoch=0, sanity=False, testing=False, val_dataloaders=("val0", "val1")):
     return SimpleNamespace(
         sanity_checking=sanity,
         testing=testing,
         current_epoch=epoch,
         state=SimpleNamespace(fn=fn),
-        val_dataloaders=["val0", "val1"],
+        val_dataloaders=list(val_dataloaders) if isinstance(val_dataloaders, tuple) else val_dataloaders,
         num_val_batches=[3, 4],
         test_dataloaders="test",
         num_test_batches=[5],
@@ -57,7 +57,8 @@ def test_schedule_batch_limit():
     [
         ({}, (["val0", "val1"], [3, 4], 2)),
         ({"sanity": True}, (["val0", "val1"], [3, 4], 2)),
-        ({"testing": True}, ("test", [5], 1)),
+        ({"testing": True}, (["test"], [5], 1)),
+        ({"val_dataloaders": {"a": "val0", "b": "val1"}}, (["val0", "val1"], [3, 4], 2)),  # a dict: its loaders
     ],
 )
 def test_schedule_loaders_of_the_running_stage(flags, expected):
@@ -73,6 +74,6 @@ def test_schedule_warns_once_when_a_limited_loader_shuffles():
         Schedule(limit_batches=1).check_loaders([ordered])
         limited = Schedule(limit_batches=1)
         limited.check_loaders([ordered, shuffled])
-        limited.check_loaders(shuffled)
+        limited.check_loaders([shuffled])
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "`limit_batches`=1" in messages[0] and "shuffle=False" in messages[0]

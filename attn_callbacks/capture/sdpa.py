@@ -189,7 +189,8 @@ class SdpaWatch(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
-        if compiling():  # dynamo traces this mode: frames are not there to walk, and nothing is read while tracing
+        # dynamo traces this mode: frames are not there to walk, and nothing is read while tracing
+        if torch.compiler.is_compiling():
             return output
         if func is F.scaled_dot_product_attention:
             found = self._owner(sys._getframe(1))
@@ -256,12 +257,6 @@ class SdpaWatch(TorchFunctionMode):
                     bool(call.get("enable_gqa", False)),
                 )
                 self.consumer(name, index, module, weights, rows, batch)
-
-
-def compiling() -> bool:
-    """Whether dynamo is tracing the code that calls this (False where torch cannot tell)."""
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling and is_compiling())
 
 
 def _rows_of(mask: Tensor | None, rows: slice, batch: int) -> Tensor | None:

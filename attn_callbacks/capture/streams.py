@@ -177,11 +177,8 @@ class Streams:
 
     def sink_indices(self, stream: str) -> list[int]:
         """The accumulated indices of a key stream's ``sink_ids`` (compact indices when tracked: sinks always are)."""
-        sinks = self.sinks.get(stream, [])
-        if stream in self.tracked:
-            tracked = self.tracked[stream].tolist()
-            return [tracked.index(i) for i in sinks]
-        return sinks
+        sinks, tracked = self.sinks.get(stream, []), self.vocab_ids(stream)
+        return sinks if tracked is None else [tracked.index(i) for i in sinks]
 
     # ------------------------------------------------------------------------------------------------- batches
     def valid(self, ids: Tensor) -> Tensor:
@@ -264,7 +261,7 @@ class Streams:
             )
         return (query_ids, query_valid), (key_ids, key_valid)
 
-    def choose_tracked(self, loaders: Any, limits: Sequence[int | float], strategy: Any) -> None:
+    def choose_tracked(self, loaders: Sequence[Any], limits: Sequence[int | float], strategy: Any) -> None:
         """Count the ids of every pending stream some module reads over the evaluation ``loaders`` (ids only, no
         forward; at most ``limits`` batches each; summed over processes by ``strategy``) and freeze the most frequent
         ones. An id outside the vocabulary is refused here even with ``validate_args=False``: it has no cell to be
@@ -274,7 +271,7 @@ class Streams:
             return
         device = strategy.root_device
         counts = {s: torch.zeros(self.vocab[s] + 1, dtype=torch.long, device=device) for s in pending}
-        for loader, limit in zip(_as_list(loaders), limits, strict=False):
+        for loader, limit in zip(loaders, limits, strict=False):
             for index, batch in enumerate(own_iterator(loader)):
                 if index >= limit:
                     break
@@ -302,10 +299,10 @@ class Streams:
     # -------------------------------------------------------------------------------------------------- labels
     def label(self, ids: Sequence[int], stream: str, max_length: int | None = MAX_LABEL) -> list[str]:
         """Labels of accumulated ids (compact indices of a tracked stream: ``<other>`` for the bucket)."""
-        tracked = self.tracked.get(stream)
-        if tracked is None:
+        originals = self.vocab_ids(stream)
+        if originals is None:
             return label_tokens(list(ids), self.labels[stream], max_length=max_length)
-        ids, originals = list(ids), tracked.tolist()
+        ids = list(ids)
         known = [originals[c] for c in ids if c < len(originals)]  # one lookup for all (a tokenizer call, say)
         labels = iter(label_tokens(known, self.labels[stream], max_length=max_length))
         return [next(labels) if c < len(originals) else OTHER_LABEL for c in ids]
@@ -461,11 +458,3 @@ def own_iterator(loader: Any) -> Any:
     return iter(
         DataLoader(loader.dataset, collate_fn=loader.collate_fn, generator=loader.generator, **batching, **workers)
     )
-
-
-def _as_list(loaders: Any) -> list[Any]:
-    if loaders is None:
-        return []
-    if isinstance(loaders, Mapping):
-        return list(loaders.values())
-    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]

@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 
-from attn_callbacks.capture.sdpa import compiling
-
 __all__ = ["EagerCompile", "FastpathOff", "GlobalSwitch"]
 
 
@@ -69,7 +67,7 @@ class EagerCompile(GlobalSwitch):
     @classmethod
     def _apply(cls) -> None:
         set_stance = getattr(torch.compiler, "set_stance", None)
-        if cls.stance is None and set_stance is not None and not compiling():
+        if cls.stance is None and set_stance is not None and not torch.compiler.is_compiling():
             try:
                 cls.stance = set_stance("force_eager")
             except RuntimeError:  # inside a compiled region's frame: leave the stance alone
@@ -77,6 +75,6 @@ class EagerCompile(GlobalSwitch):
 
     @classmethod
     def _restore(cls) -> None:
-        if cls.stance is not None and not compiling():
+        if cls.stance is not None and not torch.compiler.is_compiling():
             cls.stance.__exit__(None, None, None)
             cls.stance = None

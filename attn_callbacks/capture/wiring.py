@@ -46,12 +46,7 @@ def resolve_streams(
         ValueError: a module no rule covers, or a rule naming an unknown stream; the message names both.
     """
     rules = dict(attention_streams or {})
-    for pattern, pair in rules.items():
-        if not (isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2):
-            raise ValueError(
-                f"Expected argument `attention_streams` to map patterns to (query_stream, key_stream), but got "
-                f"{pair!r} for pattern {pattern!r}"
-            )
+    for pattern, pair in rules.items():  # their shape is checked with the other arguments (check_attention_streams)
         unknown = [s for s in pair if s not in streams]
         if unknown:
             raise ValueError(

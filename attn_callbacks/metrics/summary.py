@@ -1,5 +1,5 @@
-"""Pure functions from an epoch's sums to every number the monitor logs: the one place the callback, the export and
-the offline CLI get their numbers.
+"""Pure functions from an epoch's sums to every number the monitor logs: the one place the callback gets its numbers,
+and the offline CLI its drift.
 
 Notation (see docs/reading.md): ``S`` attention sum, ``C`` pair count, ``Q`` query count, ``U`` uniform baseline,
 ``P = S / Q`` attention mass. Adding a metric: one function here, one line in :func:`summarize`, one test.

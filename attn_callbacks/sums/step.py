@@ -109,8 +109,8 @@ def accumulate_attention(
 ) -> Tensor:
     """The fast path: add one batch to packed running sums, in place, without a host sync; deterministic on CPU.
 
-    Computes exactly what :func:`accumulate_attention_reference` computes (``S``, ``U``, ``C``, ``Q`` and the position
-    sums; a valid query row with a non-finite weight in any head, or with no positive weight at all, is dropped and
+    Computes ``S``, ``U``, ``C``, ``Q`` and the position sums (what the tests' float64 loop computes, up to
+    rounding; a valid query row with a non-finite weight in any head, or with no positive weight at all, is dropped and
     counted), on a packed layout: ``sums[:H]`` is ``S`` and ``sums[H]`` is ``U``, each a flat ``Vq * Vk`` plane, so
     one index (from :func:`pair_index`, shared by every module reading the same streams) serves every head, ``U`` and
     ``C``; every plane is contiguous, so ``S`` can be divided into ``P`` where it lies.
