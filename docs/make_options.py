@@ -47,8 +47,8 @@ trainer:
         vocab_size: {src: 32000, tgt: 32000}
         ignore_ids: [0]
         attention_streams: {"*cross_attn": [tgt, src]}
-        max_tracked_tokens: 4096
-        memory_budget: 1GiB
+        max_tracked_tokens: 2048             # sums of 2,049² × (4·8 + 12) B ≈ 185 MB per module at 8 heads
+        memory_budget: 4GiB
         color_scale: shared
         probe: first
 ```

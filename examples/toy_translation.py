@@ -243,7 +243,8 @@ def main() -> None:
     drift_ref = {e.step: e.value for e in events.Scalars(f"attention_drift/js_ref/{last}")}
     for epoch, event in enumerate(lift):
         prev, ref = drift.get(event.step), drift_ref.get(event.step)
-        print(f"{epoch:>5}  {event.value:5.2f}  {prev or 0:13.4f}  {ref or 0:16.4f}")
+        shown = [f"{value:.4f}" if value is not None else "-" for value in (prev, ref)]  # none at the first epoch
+        print(f"{epoch:>5}  {event.value:5.2f}  {shown[0]:>13}  {shown[1]:>16}")
     exports = sorted((Path(logger.log_dir) / "attention_epochs").glob("*.pt"))
     if len(exports) > 1:
         print(f"\ncompare two epochs: python -m attn_callbacks compare {exports[0]} {exports[-1]}")

@@ -776,7 +776,9 @@ function renderSuggestions() {
   if (document.activeElement !== ui.token) {
     ui.token.value = token ? token.text : state.token === null ? "" : `#${state.token}`;
   }
-  ui.tokenHint.textContent = `${state.labels.byKey.size} tokens stored at this epoch: pick a suggestion, or type #id`;
+  const { rows, cols } = state.labels;
+  const stored = cross ? `${rows} query and ${cols} key tokens` : `${state.labels.byKey.size} tokens`;
+  ui.tokenHint.textContent = `${stored} stored at this epoch: pick a suggestion, or type #id`;
 }
 
 // A typed text -> {id, side}: a suggestion, "#id", or a label regardless of case and surrounding spaces.
