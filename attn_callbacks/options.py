@@ -17,7 +17,7 @@ from attn_callbacks.capture.hooks import AttentionCapture
 from attn_callbacks.capture.probe import Probe
 from attn_callbacks.capture.sites import AttentionSites
 from attn_callbacks.capture.streams import Streams
-from attn_callbacks.metrics.drift import DriftMemory
+from attn_callbacks.metrics.drift_memory import DriftMemory
 from attn_callbacks.output.epoch_files import check_export_dir
 from attn_callbacks.output.report import Reporter
 from attn_callbacks.schedule import Schedule

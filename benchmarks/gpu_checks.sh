@@ -32,7 +32,7 @@ old() {
         ATTN_CALLBACKS_TEST_ACCELERATOR=gpu timeout 300 python3 -m pytest -q -p no:cacheprovider $workers -rfs \
           --tb=short -W ignore tests/test_tensor_ops.py tests/test_step.py tests/test_step_compiled.py \
           tests/test_accumulator.py \
-          tests/test_drift.py tests/test_numba_loader.py tests/test_hooks.py tests/test_callback*.py \
+          tests/test_drift.py tests/test_drift_memory.py tests/test_numba_loader.py tests/test_hooks.py tests/test_callback*.py \
           tests/test_sdpa.py tests/test_hf.py tests/test_dashboard.py \
           tests/test_ddp.py::test_fsdp_strategy_on_one_gpu_logs_the_plain_models_values ;;
       step) timeout 60 python3 benchmarks/scaling.py ;;

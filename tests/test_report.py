@@ -4,7 +4,7 @@ import warnings
 
 from attn_callbacks.capture.probe import Probe
 from attn_callbacks.capture.streams import Streams
-from attn_callbacks.metrics.drift import DriftMemory
+from attn_callbacks.metrics.drift_memory import DriftMemory
 from attn_callbacks.output.report import Reporter
 
 

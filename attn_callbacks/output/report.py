@@ -14,7 +14,7 @@ from torch import Tensor
 from attn_callbacks.capture.probe import Probe
 from attn_callbacks.capture.streams import Streams
 from attn_callbacks.explorer.data import view_fits, write_epoch
-from attn_callbacks.metrics.drift import DriftMemory
+from attn_callbacks.metrics.drift_memory import DriftMemory
 from attn_callbacks.metrics.summary import ModuleSummary, attention_mass, summarize
 from attn_callbacks.metrics.tables import module_tables, top_tokens
 from attn_callbacks.output.dashboard import grid_tag, head_tag, layer_tag, scalars_layout
@@ -436,7 +436,7 @@ def _masses_in_place(merged: dict[str, AttentionStats]) -> None:
     """Each module's ``P = S / Q`` computed where ``S`` lies, which leaves ``attention_sum`` None: nothing after this
     needs ``S`` (``Q * P`` gives it back), and no second matrix of the state's size is written (on the CPU, drift
     memory then keeps that memory as the snapshot, and the state takes a retired one's: see
-    :meth:`attn_callbacks.metrics.drift.DriftMemory.state_buffer`)."""
+    :meth:`attn_callbacks.metrics.drift_memory.DriftMemory.state_buffer`)."""
     for stats in merged.values():
         sums = stats.attention_sum
         if sums is not None:
