@@ -10,7 +10,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from typing_extensions import override
 
-from attn_callbacks.capture.hooks import AttentionCapture, find_attention_modules, output_indices
+from attn_callbacks.capture.find import find_attention_modules, output_indices
+from attn_callbacks.capture.hooks import AttentionCapture
 from attn_callbacks.options import MonitorOptions
 from attn_callbacks.output.epoch_files import discard, export_directory, export_epoch
 

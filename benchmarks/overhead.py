@@ -69,7 +69,8 @@ from _workload import (
     validate,
 )
 from attn_callbacks import AttentionMonitor
-from attn_callbacks.capture.hooks import AttentionCapture, find_attention_modules
+from attn_callbacks.capture.find import find_attention_modules
+from attn_callbacks.capture.hooks import AttentionCapture
 from attn_callbacks.sums.step_compiled import compile_failed
 
 WARM_UP_EPOCHS = 3

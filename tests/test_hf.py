@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules, load_epoch
 from attn_callbacks.base.labels import label_tokens
-from attn_callbacks.capture.hooks import num_heads
+from attn_callbacks.capture.find import num_heads
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 import torch
 from torch import Tensor, nn
 
-from attn_callbacks.capture.hooks import module_device, num_heads
+from attn_callbacks.capture.find import module_device, num_heads
 
 __all__ = ["AttentionSites"]
 

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from attn_callbacks.capture import hf
-from attn_callbacks.capture.hooks import clean_name, named_modules
+from attn_callbacks.capture.find import clean_name, named_modules
 
 __all__ = ["first_rule", "resolve_streams"]
 
