@@ -50,7 +50,7 @@ from overhead import PRESETS
 
 from _workload import Encoder, device_label, nudge, quiet, token_ids
 from attn_callbacks.base.numba_loader import NUMBA_SWITCH, uses_numba
-from attn_callbacks.capture.streams import compact_index, most_frequent_ids
+from attn_callbacks.capture.token_ids import compact_index, most_frequent_ids
 from attn_callbacks.metrics.drift import Snapshot
 from attn_callbacks.metrics.summary import lift, summarize
 from attn_callbacks.metrics.tables import (

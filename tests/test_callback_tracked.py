@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, load_epoch
-from attn_callbacks.capture.streams import most_frequent_ids
+from attn_callbacks.capture.token_ids import most_frequent_ids
 from attn_callbacks.sums.accumulator import AttentionAccumulator
 
 
