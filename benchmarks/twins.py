@@ -198,7 +198,6 @@ def twins(preset: str) -> tuple[list[Twin], str]:
     def run_summary() -> Any:
         return summarize(
             mass_heads,
-            stats.attention_sum,
             stats.uniform_sum,
             stats.query_count,
             stats.position_sums,

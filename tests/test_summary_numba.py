@@ -31,8 +31,8 @@ def mass_of(attention_sum, counts):
     return torch.where(counts[:, None] > 0, attention_sum / counts.clamp(min=1)[:, None], 0)
 
 
-def summary_both_ways(monkeypatch, mass_heads, attention_sum, uniform, counts, square, previous, reference, support):
-    args = (mass_heads, attention_sum, uniform, counts, torch.rand(6, mass_heads.shape[0]), torch.tensor(3))
+def summary_both_ways(monkeypatch, mass_heads, uniform, counts, square, previous, reference, support):
+    args = (mass_heads, uniform, counts, torch.rand(6, mass_heads.shape[0]), torch.tensor(3))
     kw = dict(square=square, previous=previous, reference=reference, min_support=support, sink_ids=[0, 2])
     monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", "0")
     reference_summary = summarize(*args, **kw)
@@ -52,9 +52,7 @@ def test_summarize_numba_pass_equals_torch_functions(monkeypatch, heads, vocab_q
     older_sum, older_counts, _ = sums(heads, vocab_q, vocab_k, density=0.1, seed=2)
     reference = Snapshot.of(mass_of(older_sum, older_counts), older_counts)
     square = vocab_q == vocab_k
-    fast, slow = summary_both_ways(
-        monkeypatch, mass_heads, attention_sum, uniform, counts, square, previous, reference, support
-    )
+    fast, slow = summary_both_ways(monkeypatch, mass_heads, uniform, counts, square, previous, reference, support)
     assert fast.layer.keys() == slow.layer.keys() and fast.heads.keys() == slow.heads.keys()
     assert {"entropy", "lift", "drift/js_prev", "drift/frobenius_ref"} <= fast.layer.keys()
     assert ("asymmetry" in fast.layer) == square
@@ -74,7 +72,7 @@ def test_summarize_numba_pass_equals_torch_functions(monkeypatch, heads, vocab_q
 def test_summarize_numba_pass_lift_and_asymmetry_equal_float64_definitions(monkeypatch):
     attention_sum, counts, uniform = sums(3, 40, 40, seed=4)
     mass_heads = mass_of(attention_sum, counts)
-    fast, _ = summary_both_ways(monkeypatch, mass_heads, attention_sum, uniform, counts, True, None, None, 1)
+    fast, _ = summary_both_ways(monkeypatch, mass_heads, uniform, counts, True, None, None, 1)
     s, u, p = attention_sum.double(), uniform.double(), mass_heads.double()
     for h in range(3):
         seen = s[h] > 0
@@ -88,11 +86,9 @@ def test_summarize_numba_pass_epoch_compared_with_itself_has_no_drift(monkeypatc
     attention_sum, counts, uniform = sums(4, 64, 64, seed=5)
     mass_heads = mass_of(attention_sum, counts)
     monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", "1")
-    first = summarize(mass_heads, attention_sum, uniform, counts, torch.zeros(6, 4), torch.tensor(0), square=True)
+    first = summarize(mass_heads, uniform, counts, torch.zeros(6, 4), torch.tensor(0), square=True)
     same = Snapshot(mass_heads.clone(), counts.clone(), first.plogp_heads, first.mean_mass.clone())
-    again = summarize(
-        mass_heads, attention_sum, uniform, counts, torch.zeros(6, 4), torch.tensor(0), square=True, previous=same
-    )
+    again = summarize(mass_heads, uniform, counts, torch.zeros(6, 4), torch.tensor(0), square=True, previous=same)
     for name in ("drift/js_prev", "drift/frobenius_prev"):
         assert again.layer[name].item() == 0.0 and again.heads[name].eq(0).all(), name
 
@@ -120,9 +116,7 @@ def test_summarize_uses_torch_functions_when_numba_is_switched_off(monkeypatch):
     calls = []
     monkeypatch.setattr(summary_numba, "row_pass", lambda *a, **k: calls.append(1))
     monkeypatch.setenv("ATTN_CALLBACKS_NUMBA", "0")
-    summarize(
-        mass_of(attention_sum, counts), attention_sum, uniform, counts, torch.zeros(6, 2), torch.tensor(0), square=True
-    )
+    summarize(mass_of(attention_sum, counts), uniform, counts, torch.zeros(6, 2), torch.tensor(0), square=True)
     assert calls == []
 
 
@@ -142,7 +136,7 @@ def test_summarize_numba_pass_leaves_a_non_finite_p_to_the_torch_functions(monke
     mass_heads = mass_of(attention_sum, counts)
     mass_heads[1, 4, 7] = value
     assert summary_numba.row_pass(mass_heads, counts, uniform, [], 1) is None
-    fast, slow = summary_both_ways(monkeypatch, mass_heads, attention_sum, uniform, counts, True, None, None, 1)
+    fast, slow = summary_both_ways(monkeypatch, mass_heads, uniform, counts, True, None, None, 1)
     assert slow.heads["entropy"][1].isnan() and slow.layer["asymmetry"].isnan()
     for name in slow.heads:
         torch.testing.assert_close(fast.heads[name], slow.heads[name], equal_nan=True, msg=name)

@@ -322,7 +322,6 @@ def _row_pass(mass_heads: Tensor) -> Any:
 
 def summarize(
     mass_heads: Tensor,
-    attention_sum: Tensor | None,
     uniform_sum: Tensor,
     query_count: Tensor,
     position_sums: Tensor,
@@ -343,9 +342,8 @@ def summarize(
     this module and :mod:`attn_callbacks.metrics.drift`, which the tests hold them equal to.
 
     Args:
-        mass_heads: ``P`` per head, ``(H, Vq, Vk)``.
-        attention_sum: ``S``, ``(H, Vq, Vk)``, or None where ``P`` was computed in its memory: then ``Q * P`` stands
-            in for it where needed (the torch path's lift, the sink mass).
+        mass_heads: ``P`` per head, ``(H, Vq, Vk)``. The epoch end computes it in the memory of ``S``, so ``Q * P``
+            stands in for ``S`` where needed (the torch path's lift, the sink mass).
         uniform_sum: ``U``, ``(Vq, Vk)``.
         query_count: ``Q``, ``(Vq,)``.
         position_sums: ``(len(POSITION_STATS), H)``.
@@ -374,8 +372,7 @@ def summarize(
             for k, key in enumerate(earlier)
         }
     else:
-        if attention_sum is None:
-            attention_sum = mass_heads * query_count[:, None].to(mass_heads.dtype)  # (H, Vq, Vk)
+        attention_sum = mass_heads * query_count[:, None].to(mass_heads.dtype)  # S = Q * P, (H, Vq, Vk)
         mass, sum_mean = head_mean(mass_heads), head_mean(attention_sum)  # P̄ = mean_h S[h] / Q = mean_h P[h]
         # Σ p log p of every row, (H, Vq) and (Vq,): shared by the entropy, the lift and every drift comparison.
         plogp_heads, plogp = row_plogp(mass_heads), row_plogp(mass)
@@ -401,11 +398,8 @@ def summarize(
         out.add(f"position/{stat}", values.mean(), values)
     if sink_ids:
         columns = torch.tensor(list(sink_ids), device=mass.device)
-        if attention_sum is None:  # only the sinks' columns of Q * P
-            on_sinks = mass_heads[..., columns] * query_count[:, None].to(mass_heads.dtype)
-            sinks = sink_mass(on_sinks, query_count, torch.arange(len(columns), device=mass.device))
-        else:
-            sinks = sink_mass(attention_sum, query_count, columns)
+        on_sinks = mass_heads[..., columns] * query_count[:, None].to(mass_heads.dtype)  # the sinks' columns of Q * P
+        sinks = sink_mass(on_sinks, query_count, torch.arange(len(columns), device=mass.device))
         out.add("position/sink_mass", sinks.mean(), sinks)
     for which, then in (("prev", previous), ("ref", reference)):
         if then is not None:  # the previous epoch is often the reference too: compared once

@@ -299,7 +299,6 @@ class Reporter:
             )
         summary = summarize(
             mass_heads,
-            stats.attention_sum,
             stats.uniform_sum,
             stats.query_count,
             stats.position_sums,
