@@ -149,10 +149,10 @@ def accumulate_attention_reference(
 
 
 def figure_to_array(figure: Figure) -> np.ndarray:
-    """Render a figure to an ``(H, W, 3)`` uint8 RGB array."""
+    """Render a figure to an ``(H, W, 4)`` uint8 RGBA array, as the canvas holds it."""
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    return np.asarray(canvas.buffer_rgba()).copy()
 
 
 def words(artist, gid):

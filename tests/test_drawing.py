@@ -121,9 +121,7 @@ def test_drawing_process_imports_neither_torch_nor_lightning():
     process = drawing.DrawingProcess(numba=False)
     try:
         drawn = []
-        process.submit(
-            FigureJobs().heatmap(np.eye(6), LABELS, LABELS, "t", "P", alpha=True), lambda *a: drawn.append(a)
-        )
+        process.submit(FigureJobs().heatmap(np.eye(6), LABELS, LABELS, "t", "P"), lambda *a: drawn.append(a))
         assert process.wait(120) and len(drawn) == 1
         maps = Path(f"/proc/{process.pid}/maps").read_text()
         assert "matplotlib" in maps and "numpy" in maps  # drawn with them
@@ -142,7 +140,7 @@ def test_drawing_process_imports_neither_torch_nor_lightning():
 def test_drawing_process_pngs_equal_in_process_ones_and_its_errors_carry_its_traceback():
     process = drawing.DrawingProcess(numba=False)
     matrix = np.random.default_rng(0).random((6, 6)).astype(np.float32)
-    job = FigureJobs().heatmap(matrix, LABELS, LABELS, "title", "P[query, key]", False, 0.9, alpha=True)
+    job = FigureJobs().heatmap(matrix, LABELS, LABELS, "title", "P[query, key]", False, 0.9)
     drawn = []
     try:
         process.submit(job, lambda png, size: drawn.append((png, size)))
@@ -153,7 +151,7 @@ def test_drawing_process_pngs_equal_in_process_ones_and_its_errors_carry_its_tra
         process.check()  # raised once
     finally:
         assert process.stop() == 0
-    expected = FigureCache().heatmap(matrix, LABELS, LABELS, "title", "P[query, key]", False, 0.9, alpha=True)
+    expected = FigureCache().heatmap(matrix, LABELS, LABELS, "title", "P[query, key]", False, 0.9)
     assert drawn == [(png_bytes(expected), expected.shape[:2])]
 
 

@@ -41,11 +41,9 @@ def test_figure_cache_returns_a_copy_the_next_draw_does_not_touch():
     assert np.array_equal(first, kept)
 
 
-def test_figure_cache_alpha_adds_an_opaque_channel_to_the_same_pixels():
-    cache = FigureCache()
-    rgb, rgba = _heatmap(cache, FIRST), _heatmap(cache, FIRST, alpha=True)
-    assert rgb.dtype == rgba.dtype == np.uint8 and rgb.shape[2] == 3 and rgba.shape[2] == 4
-    assert np.array_equal(rgba[..., :3], rgb) and (rgba[..., 3] == 255).all()
+def test_figure_cache_returns_rgba_with_an_opaque_alpha_channel():
+    rgba = _heatmap(FigureCache(), FIRST)
+    assert rgba.dtype == np.uint8 and rgba.shape[2] == 4 and (rgba[..., 3] == 255).all()
 
 
 def test_figure_cache_redraw_with_a_scale_equals_a_fresh_draw_with_it():

@@ -29,7 +29,7 @@ def test_heatmap_renders_labelled_rgb_image():
     assert words(figure, figures._TITLE_GID).texts == ["layer 0"]
     assert len(figure.axes) == 2  # the colour bar
     image = figure_to_array(figure)
-    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3 and image.shape[0] > 100
+    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 4 and image.shape[0] > 100
 
 
 def test_head_grid_and_diverging_map_render():
@@ -38,7 +38,7 @@ def test_head_grid_and_diverging_map_render():
     diverging = figures.heatmap(
         np.array([[0.0, 0.5], [-0.5, 0.0]]), ["a", "b"], ["a", "b"], "d", "P-Pt", diverging=True
     )
-    assert figure_to_array(diverging).shape[2] == 3
+    assert figure_to_array(diverging).shape[2] == 4
 
 
 def test_markdown_table_escapes_pipes():
@@ -94,12 +94,10 @@ def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_respects_its_memory
     many = [f"t{i}" for i in range(60)]
     small.heatmap(rng.random((60, 60)), many, many, "T", "P")  # larger than the whole cap: evicts nothing
     assert len(small._entries) == 2
-    # alpha=True: the same pixels with the canvas' opaque alpha channel, which PNG encoding drops
-    with_alpha = cache.heatmap(second, labels, labels, "T", "P", alpha=True)
-    assert with_alpha.shape == (*again.shape[:2], 4) and (with_alpha[..., 3] == 255).all()
-    assert np.array_equal(with_alpha[..., :3], again)
-    decoded = np.asarray(Image.open(io.BytesIO(png_bytes(with_alpha))))
-    assert decoded.shape == again.shape and np.array_equal(decoded, again)
+    # the canvas' opaque alpha channel, which PNG encoding drops
+    assert again.shape[2] == 4 and (again[..., 3] == 255).all()
+    decoded = np.asarray(Image.open(io.BytesIO(png_bytes(again))))
+    assert decoded.shape == (*again.shape[:2], 3) and np.array_equal(decoded, again[..., :3])
 
 
 def test_maps_whose_titles_fit_above_the_panel_share_a_figure_equal_fresh_renders():
@@ -207,7 +205,8 @@ def test_png_bytes_numba_filter_writes_the_bytes_of_the_numpy_one(shape, monkeyp
 
 def test_png_bytes_of_a_heatmap_is_smaller_than_pillows_and_bad_images_are_refused():
     labels = [f"tok{i}" for i in range(30)]
-    pixels = figure_to_array(figures.heatmap(np.random.default_rng(0).random((30, 30)), labels, labels, "T", "P"))
+    figure = figures.heatmap(np.random.default_rng(0).random((30, 30)), labels, labels, "T", "P")
+    pixels = figure_to_array(figure)[..., :3]
     ours = png_bytes(pixels)
     theirs = io.BytesIO()
     Image.fromarray(pixels).save(theirs, format="PNG", compress_level=1)
@@ -233,7 +232,7 @@ def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(dive
     matrix[2, 3] = np.nan
     labels_r, labels_c = [f"q{i}" for i in range(rows)], [f"k{j}" for j in range(cols)]
     figure = figures.heatmap(matrix, labels_r, labels_c, "T", "P", diverging=diverging, vmax=0.5 if diverging else 1.0)
-    pixels = figure_to_array(figure)
+    pixels = figure_to_array(figure)[..., :3]
     FigureCanvasAgg(figure).draw()
     ax, height = figure.axes[0], figure.bbox.height
     cmap = colormaps["RdBu_r" if diverging else "viridis"]

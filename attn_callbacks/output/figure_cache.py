@@ -65,11 +65,9 @@ class FigureCache:
         colorbar_label: str,
         diverging: bool = False,
         vmax: float | None = None,
-        alpha: bool = False,
     ) -> np.ndarray:
-        """:func:`heatmap` of ``matrix`` as an ``(H, W, 3)`` uint8 array (``(H, W, 4)`` with an opaque alpha channel
-        when ``alpha``: a plain copy of the canvas, many times faster than leaving the channel out; :func:`png_bytes`
-        drops it)."""
+        """:func:`heatmap` of ``matrix`` as an ``(H, W, 4)`` uint8 array with an opaque alpha channel: a plain copy of
+        the canvas, many times faster than leaving the channel out; :func:`png_bytes` drops it."""
         # The title's length where it sets the figure's width; else every family's map shares one figure.
         room = len(title) if title_sets_width(title, row_labels, col_labels) else 0
         layout = ("heatmap", matrix.shape, tuple(row_labels), tuple(col_labels), room, diverging)
@@ -81,7 +79,6 @@ class FigureCache:
             limit,
             diverging,
             lambda: heatmap(matrix, row_labels, col_labels, title, colorbar_label, diverging, vmax=limit),
-            alpha,
         )
 
     def head_grid(
@@ -94,10 +91,8 @@ class FigureCache:
         titles: Sequence[str] | None = None,
         diverging: bool = False,
         vmax: float | None = None,
-        alpha: bool = False,
     ) -> np.ndarray:
-        """:func:`head_grid` of ``matrices`` as an ``(H, W, 3)`` uint8 array (``(H, W, 4)`` when ``alpha``, as for
-        :meth:`heatmap`)."""
+        """:func:`head_grid` of ``matrices`` as an ``(H, W, 4)`` uint8 array, as :meth:`heatmap`."""
         layout = (
             "grid",
             matrices.shape,
@@ -115,7 +110,6 @@ class FigureCache:
             limit,
             diverging,
             lambda: head_grid(matrices, row_labels, col_labels, title, colorbar_label, titles, diverging, limit),
-            alpha,
         )
 
     def value_grid(
@@ -128,10 +122,9 @@ class FigureCache:
         vmax: float | None = None,
         groups: Sequence[int] = (),
         axis_names: tuple[str, str] = ("attention module", "head"),
-        alpha: bool = False,
     ) -> np.ndarray:
-        """:func:`value_grid` of ``values`` as an ``(H, W, 3)`` uint8 array (``(H, W, 4)`` when ``alpha``, as for
-        :meth:`heatmap`): the grids of every metric share one figure."""
+        """:func:`value_grid` of ``values`` as an ``(H, W, 4)`` uint8 array, as :meth:`heatmap`: the grids of every
+        metric share one figure."""
         # Titles up to _GRID_TITLE characters get the same room: every metric's grid shares one figure.
         room = max(len(title), _GRID_TITLE)
         layout = ("values", values.shape, tuple(row_labels), tuple(col_labels), room, tuple(groups), axis_names)
@@ -144,7 +137,6 @@ class FigureCache:
             limit,
             False,
             lambda: value_grid(values, row_labels, col_labels, title, colorbar_label, limit, groups, axis_names),
-            alpha,
         )
 
     def _render(
@@ -155,7 +147,6 @@ class FigureCache:
         limit: float,
         diverging: bool,
         build: Callable,
-        alpha: bool = False,
     ) -> np.ndarray:
         kept = self._entries.get(layout)
         if kept is None:
@@ -188,7 +179,7 @@ class FigureCache:
         for artist in [*cells, kept.numbers, kept.heading, kept.label]:
             figure.draw_artist(artist)
         pixels = np.asarray(kept.canvas.buffer_rgba())  # (H, W, 4), the canvas' own buffer: copied before it is reused
-        return pixels.copy() if alpha else pixels[..., :3].copy()
+        return pixels.copy()
 
 
 @dataclass

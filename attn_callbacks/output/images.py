@@ -82,7 +82,6 @@ class Images:
                 colour,
                 diverging,
                 self.limit(name + suffix, matrix),
-                alpha=True,  # the writer thread drops it: a plain copy here
             )
 
         # The shown block's cells alone: gathering its whole rows first copies V / top_k times more (with torch's
@@ -100,7 +99,6 @@ class Images:
                 f"{layer}: attention mass P per head",
                 "P[query, key]",
                 vmax=self.limit(name + suffix, matrices),
-                alpha=True,
             )
         if square:  # rows == cols, so the block of Pᵀ is the transposed block
             draw(
@@ -147,7 +145,6 @@ class Images:
             "",
             vmax=vmax,
             groups=groups,
-            alpha=True,
         )
 
     def probe_maps(
@@ -173,6 +170,5 @@ class Images:
                 "weight",
                 titles=["mean of heads"] + [f"head {h}" for h in range(per_head.shape[0])],
                 vmax=self.limit(name, panels),
-                alpha=True,
             )
         return images
