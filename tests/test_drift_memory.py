@@ -12,9 +12,11 @@ def test_drift_memory_drops_a_reference_of_another_shape_keeps_the_previous_epoc
     memory = DriftMemory()
     memory.remember(0, {"enc": (torch.rand(2, 4, 3), torch.ones(4, dtype=torch.long), {})})  # the reference
     memory.remember(1, {"enc": (torch.rand(2, 4, 4), torch.ones(4, dtype=torch.long), {})})  # another model since
-    previous, reference = memory.snapshots("enc", torch.Size((2, 4, 4)))
+    previous, reference, lost = memory.snapshots("enc", torch.Size((2, 4, 4)))
     assert previous is not None and previous.attention_mass.shape == (2, 4, 4) and reference is None
-    assert memory.snapshots("enc", torch.Size((2, 4, 3))) == (None, None)
+    assert lost == [(0, (2, 4, 3))]
+    assert memory.snapshots("enc", torch.Size((2, 4, 3))) == (None, None, [(1, (2, 4, 4))])
+    assert memory.snapshots("enc", torch.Size((2, 4, 5))) == (None, None, [(1, (2, 4, 4)), (0, (2, 4, 3))])
 
 
 def views_of(sums: torch.Tensor, heads: int = 2, vocab: int = 3) -> torch.Tensor:
@@ -82,7 +84,8 @@ def test_drift_memory_keeps_a_gpu_p_in_page_locked_host_memory_reuses_retired_on
         kept.append(snapshot["attention_mass"].data_ptr())
     # Epoch 0 is the reference, so epoch 1's copy retires at epoch 2 and epoch 3 is copied into its memory.
     assert kept[3] == kept[1] and len(set(kept[:3])) == 3
-    previous, reference = memory.snapshots("enc", torch.Size((heads, vocab, vocab)))
+    previous, reference, lost = memory.snapshots("enc", torch.Size((heads, vocab, vocab)))
+    assert lost == []
     assert previous.attention_mass.data_ptr() == kept[3] and reference.attention_mass.data_ptr() == kept[0]
     # A resumed checkpoint's snapshots lie in pageable memory: the reference is pinned at the next epoch end, and
     # the retired previous one is not reused as a spare.

@@ -46,26 +46,19 @@ class DriftMemory:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_spare": {}}  # a cache, rebuilt where needed
 
-    def snapshots(self, name: str, shape: torch.Size) -> tuple[Snapshot | None, Snapshot | None]:
-        """(previous, reference) of one module, or None each; None for an epoch whose ``P`` had another shape (a
-        different model under the same name, say after a resume: nothing comparable), and both None when the
-        previous one had."""
+    def snapshots(
+        self, name: str, shape: torch.Size
+    ) -> tuple[Snapshot | None, Snapshot | None, list[tuple[int | None, tuple[int, ...]]]]:
+        """(previous, reference, lost) of one module. ``lost``: the kept epochs whose ``P`` has another shape than
+        ``shape`` (a resume into a monitor of another vocabulary or model under the same name), as (epoch, shape):
+        nothing comparable, so None in their place, and both None when the previous one is lost."""
         previous, reference = self.previous.get(name), self.reference.get(name)
-        if previous is not None and tuple(previous["attention_mass"].shape) != tuple(shape):
-            return None, None
-        if reference is not None and tuple(reference["attention_mass"].shape) != tuple(shape):
-            reference = None  # kept from before a resume into another model: nothing comparable
-        return _complete(previous), _complete(reference)
-
-    def incomparable(self, name: str, shape: torch.Size) -> list[tuple[int | None, tuple[int, ...]]]:
-        """The kept epochs of a module (previous, reference) whose ``P`` has another shape than ``shape``, with that
-        shape: drift against them cannot be computed (a resume into a monitor of another vocabulary, say)."""
-        kept = ((self.previous_epoch, self.previous.get(name)), (self.reference_epoch, self.reference.get(name)))
-        found = []
-        for epoch, snapshot in kept:
+        lost = []
+        for epoch, snapshot in ((self.previous_epoch, previous), (self.reference_epoch, reference)):
             if snapshot is not None and tuple(snapshot["attention_mass"].shape) != tuple(shape):
-                found.append((epoch, tuple(snapshot["attention_mass"].shape)))
-        return found
+                lost.append((epoch, tuple(snapshot["attention_mass"].shape)))
+                previous, reference = (None, None) if snapshot is previous else (previous, None)
+        return _complete(previous), _complete(reference), lost
 
     def take_spare(
         self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, pinned: bool = False

@@ -287,8 +287,7 @@ class Reporter:
             return None
         square = streams[0] == streams[1]
         mass_heads = stats.attention_mass  # (H, Vq, Vk)
-        previous, reference = self.drift.snapshots(name, mass_heads.shape) if drift else (None, None)
-        lost = self.drift.incomparable(name, mass_heads.shape) if drift else []
+        previous, reference, lost = self.drift.snapshots(name, mass_heads.shape) if drift else (None, None, [])
         if lost:
             self.warn_once(
                 f"incomparable:{name}",
