@@ -74,7 +74,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._check_budget(trainer)
         last = trainer.max_epochs
         if self.drift_reference_epoch is not None and last is not None and 0 <= last <= self.drift_reference_epoch:
-            self._report.warn_once(
+            self._report.warnings.once(
                 "reference_epoch",
                 f"AttentionMonitor: argument `drift_reference_epoch`={self.drift_reference_epoch} is not an epoch of "
                 f"this fit (max_epochs={last}), so no epoch becomes the reference and no `drift/..._ref` is logged.",
@@ -125,7 +125,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             return
         drift_epoch = not (trainer.sanity_checking or trainer.testing)
         silent = [name for name, count in self._capture.calls.items() if count == 0]  # before the probe's own batch
-        self._report.warn_silent(silent, self._monitored_batches)
+        self._report.warnings.silent(silent, self._monitored_batches)
         try:
             if self._probe.own_batch and drift_epoch:
                 self._capture.attach()  # detached after `limit_batches`
@@ -140,7 +140,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         per_loader, merged = self._sums.collect()  # a collective under DDP
         # A module whose every row was dropped (NaN weights) still reports its skipped rows, and warns.
         if not any(int(stats.query_count.sum()) or int(stats.skipped_rows) for stats in merged.values()):
-            self._report.warn_nothing_seen(self._monitored_batches, len(silent) < len(self._sites.modules))
+            self._report.warnings.nothing_seen(self._monitored_batches, len(silent) < len(self._sites.modules))
         else:
             exported = None
             try:
@@ -222,7 +222,7 @@ class AttentionMonitor(MonitorOptions, Callback):
                 changed = "no tracking" if limit is None else f"`max_tracked_tokens`={limit}"
             else:
                 continue
-            self._report.warn_once(
+            self._report.warnings.once(
                 f"tracked:{stream}",
                 f"AttentionMonitor: the checkpoint tracks {len(ids)} ids of stream {stream!r}; they are kept, so that "
                 f"epochs stay comparable, and this monitor's {changed} is not used.",
@@ -283,7 +283,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             if self._streams.wire_call(name, base, self.attention_streams):
                 # A second pass of one encoder over other inputs (a bi-encoder's pair) lands here too, on the wrong ids.
                 # Once per module: a layer shared by 12 (ALBERT) makes 11 such calls.
-                self._report.warn_once(
+                self._report.warnings.once(
                     f"call:{base}",
                     f"AttentionMonitor: module {base!r} called scaled_dot_product_attention again in the same batch; "
                     f"such calls are summed apart ({name!r}, ...), read against the module's own streams "

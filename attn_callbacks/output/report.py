@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from attn_callbacks.capture.probe import Probe
@@ -21,6 +19,7 @@ from attn_callbacks.output.dashboard import grid_tag, head_tag, layer_tag, scala
 from attn_callbacks.output.drawing import Drawing
 from attn_callbacks.output.explore import explorer_view
 from attn_callbacks.output.images import Images
+from attn_callbacks.output.warn import Warnings
 from attn_callbacks.output.writer import (
     BackgroundWriter,
     add_layout,
@@ -82,19 +81,13 @@ class Reporter:
         self.top_k = top_k
         self.num_pairs = num_pairs
         self.min_support = min_support
-        self.entropy_collapse_threshold = entropy_collapse_threshold
+        self.warnings = Warnings(entropy_collapse_threshold)
         self.explorer_size = explorer_size  # None: no explorer data
         self.images = Images(color_scale)
         self.background = BackgroundWriter()
         self.drawing = Drawing(self.images, self.background)  # pictures: drawn here, or in a drawing process
         self._ranks: dict[tuple[str, str, str], Tensor] = {}  # the last PageRank per (module, prefix, suffix)
         self._logged: dict[tuple[str, str], dict[str, list[str]]] = {}  # (run, prefix) -> metric -> modules
-        self._warned: set[str] = set()
-
-    def warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(message)
 
     def state_dict(self) -> dict[str, Any]:
         return {"color_limits": dict(self.images.limits)}
@@ -106,54 +99,11 @@ class Reporter:
         """Stop the image writer of a failed epoch end, if one runs (its pending images are dropped)."""
         self.background.finish(raise_errors=False)
 
-    def warn_silent(self, silent: list[str], batches: int) -> None:
-        """Warn (once per set of names) that hooked modules never ran in the epoch's ``batches`` monitored batches."""
-        if not silent or not batches:
-            return
-        cause = (
-            "a compiled graph that skips module hooks: this torch has no `torch.compiler.set_stance` to run it "
-            "eagerly while monitored, so set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before "
-            "compiling"
-            if not hasattr(torch.compiler, "set_stance")
-            else "code run outside the LightningModule's modules (a copy of the model, a compiled function "
-            "that does not call the modules' forward)"
-        )
-        self.warn_once(
-            f"silent:{','.join(silent)}",
-            f"AttentionMonitor: attention module(s) {', '.join(map(repr, silent))} were hooked for {batches} "
-            f"monitored batch(es) but never ran, so nothing was seen of them. Either validation_step does not call "
-            f"them (leave them out with `modules=`), or {cause}.",
-        )
-
-    def warn_nothing_seen(self, batches: int, some_module_ran: bool) -> None:
-        """Warn (once) that a monitored epoch has nothing to log, and why."""
-        if not batches:
-            self.warn_once(
-                "no_batches",
-                "AttentionMonitor: no batch ran in this monitored epoch (empty dataloaders?), so nothing is logged "
-                "for it.",
-            )
-        elif some_module_ran:  # its every query token was ignored
-            self.warn_once(
-                "empty",
-                "AttentionMonitor: no valid query token was seen in this epoch (every id in `ignore_ids`?), so "
-                "nothing is logged for it.",
-            )
-
     def tensorboard(self, trainer: Trainer) -> Any:
         """The TensorBoard writer of rank 0, or None (with a warning, once, when rank 0 has none)."""
         writer = tensorboard_writer(trainer)
         if writer is None and trainer.is_global_zero:
-            why = (
-                "fast_dev_run replaces the Trainer's loggers with a dummy one"
-                if trainer.fast_dev_run
-                else "no TensorBoardLogger in the Trainer"
-            )
-            self.warn_once(
-                "no_tb",
-                f"AttentionMonitor: {why}, so heatmaps and tables are skipped; scalars are still logged to the "
-                "Trainer's loggers.",
-            )
+            self.warnings.no_tensorboard(trainer)
         return writer if trainer.is_global_zero else None
 
     def epoch(
@@ -278,24 +228,13 @@ class Reporter:
             skipped = int(stats.skipped_rows)
             if skipped:  # every row it saw was dropped: say so, rather than vanish
                 log_layer(pl_module, {layer_tag(prefix, "skipped_rows", layer) + suffix: stats.skipped_rows.float()})
-                self.warn_once(
-                    f"all_skipped:{name}",
-                    f"AttentionMonitor: all {skipped} query rows that attention module {name!r} produced in this "
-                    "epoch had non-finite or all-zero weights (NaN or inf in the model or its inputs?), so nothing of "
-                    "it was summed: only its `skipped_rows` is logged.",
-                )
+                self.warnings.all_skipped(name, skipped)
             return None
         square = streams[0] == streams[1]
         mass_heads = stats.attention_mass  # (H, Vq, Vk)
         previous, reference, lost = self.drift.snapshots(name, mass_heads.shape) if drift else (None, None, [])
         if lost:
-            self.warn_once(
-                f"incomparable:{name}",
-                f"AttentionMonitor: attention module {name!r} now gives P of shape {tuple(mass_heads.shape)}, but the "
-                f"epoch(s) drift compares against have another ({', '.join(f'epoch {e}: {s}' for e, s in lost)}): "
-                "a resume into a monitor whose vocabulary, tracking or heads changed? Drift against them is not "
-                "logged; it starts again from this epoch.",
-            )
+            self.warnings.incomparable(name, tuple(mass_heads.shape), lost)
         summary = summarize(
             mass_heads,
             stats.uniform_sum,
@@ -312,30 +251,12 @@ class Reporter:
         if derived is not None:
             derived[name] = {"row_plogp": summary.plogp_heads, "mean_mass": mass}  # drift memory moves them to the CPU
         log_layer(pl_module, {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()})
-        self._warn(name, summary.heads.get("position/entropy_normalized"), stats)
+        self.warnings.health(name, summary.heads.get("position/entropy_normalized"), int(stats.skipped_rows))
         if writer is not None:
             views.append(
                 ModuleView(writer, name, layer, streams, stats, mass, reference, summary.drifts, step, prefix, suffix)
             )
         return summary
-
-    def _warn(self, name: str, entropy_normalized: Tensor | None, stats: AttentionStats) -> None:
-        if self.entropy_collapse_threshold > 0 and entropy_normalized is not None:
-            for h, value in enumerate(entropy_normalized.tolist()):
-                if value < self.entropy_collapse_threshold:
-                    self.warn_once(
-                        f"collapse:{name}:{h}",
-                        f"AttentionMonitor: head {h} of attention module {name!r} has normalised entropy {value:.3f} "
-                        f"< entropy_collapse_threshold={self.entropy_collapse_threshold}: nearly every query looks at "
-                        "a single key (attention collapse, or a sink).",
-                    )
-        if int(stats.skipped_rows) > 0:
-            self.warn_once(
-                f"skipped:{name}",
-                f"AttentionMonitor: {int(stats.skipped_rows)} query rows of attention module {name!r} had non-finite "
-                "or all-zero weights (fully masked rows? padded positions whose id is not in `ignore_ids`?) and were "
-                "left out of the sums",
-            )
 
     def _draw(self, out: ModuleView) -> None:
         name, layer, streams, stats, suffix = out.name, out.layer, out.streams, out.stats, out.suffix
@@ -398,11 +319,7 @@ class Reporter:
         """Hand the explorer's cut of this view (a copy, made here) to the writer thread."""
         run_dir, view = _run_dir(out.writer), f"{out.prefix}/{out.layer}{out.suffix}"
         if not view_fits(view):
-            self.warn_once(
-                f"explorer:{view}",
-                f"AttentionMonitor: the Attention tab's folder for view {view!r} would be a name longer than 255 "
-                "bytes, which file systems refuse; it is left out of the tab (a shorter `prefix`, or `explorer=False`)",
-            )
+            self.warnings.explorer_name(view)
             return
         where = dict(view=view, module=out.name, streams=out.streams, epoch=epoch, step=out.step)
         data = explorer_view(

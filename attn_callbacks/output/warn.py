@@ -1,0 +1,120 @@
+"""The monitor's warnings about what it saw (or did not see) in an epoch: each said once per key, from rank 0."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+__all__ = ["Warnings"]
+
+
+class Warnings:
+    """Warnings said once per key (a module, a head, a set of names) for the monitor's lifetime.
+
+    Args:
+        entropy_collapse_threshold: :class:`~attn_callbacks.AttentionMonitor`'s argument of that name.
+    """
+
+    def __init__(self, entropy_collapse_threshold: float) -> None:
+        self.entropy_collapse_threshold = entropy_collapse_threshold
+        self._said: set[str] = set()
+
+    def once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            rank_zero_warn(message)
+
+    def silent(self, silent: list[str], batches: int) -> None:
+        """Hooked modules ``silent`` never ran in the epoch's ``batches`` monitored batches (once per set of names)."""
+        if not silent or not batches:
+            return
+        cause = (
+            "a compiled graph that skips module hooks: this torch has no `torch.compiler.set_stance` to run it "
+            "eagerly while monitored, so set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before "
+            "compiling"
+            if not hasattr(torch.compiler, "set_stance")
+            else "code run outside the LightningModule's modules (a copy of the model, a compiled function "
+            "that does not call the modules' forward)"
+        )
+        self.once(
+            f"silent:{','.join(silent)}",
+            f"AttentionMonitor: attention module(s) {', '.join(map(repr, silent))} were hooked for {batches} "
+            f"monitored batch(es) but never ran, so nothing was seen of them. Either validation_step does not call "
+            f"them (leave them out with `modules=`), or {cause}.",
+        )
+
+    def nothing_seen(self, batches: int, some_module_ran: bool) -> None:
+        """A monitored epoch has nothing to log, and why."""
+        if not batches:
+            self.once(
+                "no_batches",
+                "AttentionMonitor: no batch ran in this monitored epoch (empty dataloaders?), so nothing is logged "
+                "for it.",
+            )
+        elif some_module_ran:  # its every query token was ignored
+            self.once(
+                "empty",
+                "AttentionMonitor: no valid query token was seen in this epoch (every id in `ignore_ids`?), so "
+                "nothing is logged for it.",
+            )
+
+    def no_tensorboard(self, trainer: Trainer) -> None:
+        """Rank 0 has no TensorBoard writer: only scalars are logged."""
+        why = (
+            "fast_dev_run replaces the Trainer's loggers with a dummy one"
+            if trainer.fast_dev_run
+            else "no TensorBoardLogger in the Trainer"
+        )
+        self.once(
+            "no_tb",
+            f"AttentionMonitor: {why}, so heatmaps and tables are skipped; scalars are still logged to the "
+            "Trainer's loggers.",
+        )
+
+    def all_skipped(self, name: str, skipped: int) -> None:
+        """Every query row module ``name`` produced this epoch was dropped."""
+        self.once(
+            f"all_skipped:{name}",
+            f"AttentionMonitor: all {skipped} query rows that attention module {name!r} produced in this epoch had "
+            "non-finite or all-zero weights (NaN or inf in the model or its inputs?), so nothing of it was summed: "
+            "only its `skipped_rows` is logged.",
+        )
+
+    def incomparable(self, name: str, shape: tuple[int, ...], lost: list[tuple[int | None, tuple[int, ...]]]) -> None:
+        """Drift memory's epochs ``lost`` (epoch, shape) cannot be compared with this epoch's ``P`` of ``shape``."""
+        self.once(
+            f"incomparable:{name}",
+            f"AttentionMonitor: attention module {name!r} now gives P of shape {shape}, but the epoch(s) drift "
+            f"compares against have another ({', '.join(f'epoch {e}: {s}' for e, s in lost)}): a resume into a "
+            "monitor whose vocabulary, tracking or heads changed? Drift against them is not logged; it starts again "
+            "from this epoch.",
+        )
+
+    def health(self, name: str, entropy_normalized: Tensor | None, skipped_rows: int) -> None:
+        """Heads of module ``name`` whose normalised entropy is below the threshold, and rows left out of its sums."""
+        if self.entropy_collapse_threshold > 0 and entropy_normalized is not None:
+            for h, value in enumerate(entropy_normalized.tolist()):
+                if value < self.entropy_collapse_threshold:
+                    self.once(
+                        f"collapse:{name}:{h}",
+                        f"AttentionMonitor: head {h} of attention module {name!r} has normalised entropy {value:.3f} "
+                        f"< entropy_collapse_threshold={self.entropy_collapse_threshold}: nearly every query looks at "
+                        "a single key (attention collapse, or a sink).",
+                    )
+        if skipped_rows > 0:
+            self.once(
+                f"skipped:{name}",
+                f"AttentionMonitor: {skipped_rows} query rows of attention module {name!r} had non-finite "
+                "or all-zero weights (fully masked rows? padded positions whose id is not in `ignore_ids`?) and were "
+                "left out of the sums",
+            )
+
+    def explorer_name(self, view: str) -> None:
+        """View ``view``'s folder in the Attention tab's data would have a name file systems refuse."""
+        self.once(
+            f"explorer:{view}",
+            f"AttentionMonitor: the Attention tab's folder for view {view!r} would be a name longer than 255 bytes, "
+            "which file systems refuse; it is left out of the tab (a shorter `prefix`, or `explorer=False`)",
+        )

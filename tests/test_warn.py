@@ -1,0 +1,48 @@
+"""Warnings: each said once per key, with what was seen and why."""
+
+import warnings
+
+import torch
+
+from attn_callbacks.output.warn import Warnings
+
+
+def caught(action):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        action()
+    return [str(w.message) for w in seen]
+
+
+def test_warnings_warns_of_silent_modules_once_per_set_of_names():
+    said = Warnings(0.1)
+    messages = caught(lambda: [said.silent(["a", "b"], 3) for _ in range(2)])
+    assert len(messages) == 1 and "'a', 'b' were hooked for 3 monitored batch(es) but never ran" in messages[0]
+    assert caught(lambda: said.silent(["a"], 0)) == []  # no batch ran: nothing could have run
+    assert caught(lambda: said.silent([], 3)) == []
+    assert len(caught(lambda: said.silent(["a"], 1))) == 1  # another set of names
+
+
+def test_warnings_says_why_an_epoch_has_nothing_to_log():
+    said = Warnings(0.1)
+    assert "no batch ran" in caught(lambda: said.nothing_seen(0, some_module_ran=False))[0]
+    assert "every id in `ignore_ids`?" in caught(lambda: said.nothing_seen(2, some_module_ran=True))[0]
+    assert caught(lambda: said.nothing_seen(2, some_module_ran=True)) == []  # once
+    assert caught(lambda: Warnings(0.1).nothing_seen(2, some_module_ran=False)) == []  # silent modules said so
+
+
+def test_warnings_name_each_collapsed_head_once_and_the_skipped_rows():
+    said = Warnings(0.2)
+    messages = caught(lambda: said.health("enc.0", torch.tensor([0.5, 0.1, 0.05]), skipped_rows=0))
+    assert [m.split(" of attention")[0] for m in messages] == ["AttentionMonitor: head 1", "AttentionMonitor: head 2"]
+    assert "normalised entropy 0.100 < entropy_collapse_threshold=0.2" in messages[0]
+    assert caught(lambda: said.health("enc.0", torch.tensor([0.5, 0.1, 0.05]), skipped_rows=0)) == []  # once
+    (skipped,) = caught(lambda: said.health("enc.0", None, skipped_rows=7))
+    assert "7 query rows of attention module 'enc.0'" in skipped
+    assert caught(lambda: Warnings(0.0).health("enc.0", torch.tensor([0.0]), skipped_rows=0)) == []  # 0: off
+
+
+def test_warnings_say_which_kept_epochs_drift_cannot_compare_against():
+    (message,) = caught(lambda: Warnings(0).incomparable("enc", (2, 5, 5), [(3, (2, 4, 4)), (0, (2, 4, 4))]))
+    assert "'enc' now gives P of shape (2, 5, 5)" in message
+    assert "another (epoch 3: (2, 4, 4), epoch 0: (2, 4, 4))" in message
