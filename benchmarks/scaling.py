@@ -6,11 +6,11 @@ Each row times :func:`attn_callbacks.functional.accumulate_attention` (the fast 
 on CPU, where numba runs; the torch code on a CUDA device, where there is one) on softmax weights with Zipf(1) token
 ids, median of 5 after a warm-up. ``ns/weight`` divides by the B·H·L² weights read: flat down a column means the cost is
 linear in B·H·L²; flat across the vocabulary block means V only costs memory. A last section times, on CPU, the numba
-kernel against the torch code (:func:`attn_callbacks.sums.step.accumulate_attention_torch`, with its pair index) at the
-base shape, or on a GPU the step at the base shape and BERT-base's, its wall time against its host time, with and
+kernel against the torch code (:func:`attn_callbacks.sums.step_torch.accumulate_attention_torch`, with its pair index)
+at the base shape, or on a GPU the step at the base shape and BERT-base's, its wall time against its host time, with and
 without the ``(<other>, <other>)`` cell summed apart; ``--profile`` prints torch.profiler's table of a step (on a GPU:
-the time of each kernel). ``--quick`` runs the base row, the ``per_head=False`` row and the last section at a small
-base shape (B 4, L 32, H 2, V 257) only: a smoke run of a few seconds.
+the time of each kernel). ``--quick`` runs the base row, the ``per_head=False`` row and the last section at a small base
+shape (B 4, L 32, H 2, V 257) only: a smoke run of a few seconds.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from _workload import best_of, device_label
 from attn_callbacks import functional as F
 from attn_callbacks.base.numba_loader import uses_numba
-from attn_callbacks.sums.step import accumulate_attention_torch
+from attn_callbacks.sums.step_torch import accumulate_attention_torch
 
 BASE = {"B": 32, "L": 128, "H": 8, "V": 2049}
 QUICK_BASE = {"B": 4, "L": 32, "H": 2, "V": 257}  # --quick

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from attn_callbacks import functional as F
 from attn_callbacks.base.numba_loader import NUMBA_SWITCH
-from attn_callbacks.sums import step as kernels
+from attn_callbacks.sums import step_torch
 
 LOG2 = math.log(2)
 NUM_STATS = len(F.POSITION_STATS)
@@ -735,10 +735,10 @@ def test_accumulate_attention_fast_path_equals_reference_path(spec):
     rows = max(kept_rows(batch), 1)
     # The numba kernel (where it runs), then the torch kernel with the whole (small) batch in one chunk and with one
     # sample per chunk, as for a large batch on CPU.
-    for switch, chunk_bytes in (("1", kernels._CPU_CHUNK_BYTES), ("0", kernels._CPU_CHUNK_BYTES), ("0", 1)):
+    for switch, chunk_bytes in (("1", step_torch._CPU_CHUNK_BYTES), ("0", step_torch._CPU_CHUNK_BYTES), ("0", 1)):
         with (
             mock.patch.dict(os.environ, {NUMBA_SWITCH: switch}),
-            mock.patch.object(kernels, "_CPU_CHUNK_BYTES", chunk_bytes),
+            mock.patch.object(step_torch, "_CPU_CHUNK_BYTES", chunk_bytes),
         ):
             fast = run(spec, batch, "fast")
         assert torch.equal(fast["C"], ref["C"]) and torch.equal(fast["Q"], ref["Q"]), "counts are exact"

@@ -14,7 +14,8 @@ from _reference import (
 
 from attn_callbacks import functional as F
 from attn_callbacks.sums import step as kernels
-from attn_callbacks.sums.step import accumulate_attention_torch, weights_plogp
+from attn_callbacks.sums import step_torch
+from attn_callbacks.sums.step_torch import accumulate_attention_torch, weights_plogp
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -247,7 +248,7 @@ def test_a_hot_cell_summed_apart_gives_the_naive_sums(mean_of_heads, chunk_bytes
     scatter; its sums, counts and position sums stay those of the float64 loops, with padding, an ignored id that
     points at the hot cell and a dropped (NaN) row among that cell's pairs, in one chunk or sample by sample."""
     if chunk_bytes is not None:
-        monkeypatch.setattr(kernels, "_CPU_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(step_torch, "_CPU_CHUNK_BYTES", chunk_bytes)
     weights, qi, ki, qv, kv = random_case(3, 2, 7, 6, 4, 3, causal=True, seed=8)
     qi[:, ::2], ki[:, 1::2] = 3, 2  # (3, 2), the last cell, takes about a quarter of the pairs
     weights[1, :, 4] = float("nan")  # a dropped row holding id 3

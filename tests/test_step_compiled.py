@@ -11,7 +11,7 @@ from _reference import random_case, run_full
 from attn_callbacks import AttentionMonitor
 from attn_callbacks import functional as F
 from attn_callbacks.sums import step_compiled
-from attn_callbacks.sums.step import accumulate_attention_torch, batch_terms
+from attn_callbacks.sums.step_torch import accumulate_attention_torch, batch_terms
 
 
 @pytest.fixture

@@ -14,13 +14,9 @@ from attn_callbacks.base import numba_loader
 from attn_callbacks.sums import step as kernels
 from attn_callbacks.sums import step_numba
 from attn_callbacks.sums.accumulator import AttentionAccumulator, EpochSums
-from attn_callbacks.sums.step import (
-    POSITION_STATS,
-    accumulate_attention,
-    accumulate_attention_torch,
-    pair_index,
-)
+from attn_callbacks.sums.step import POSITION_STATS, accumulate_attention, pair_index
 from attn_callbacks.sums.step_numba import accumulate_attention_numba
+from attn_callbacks.sums.step_torch import accumulate_attention_torch
 
 PAD = -100
 

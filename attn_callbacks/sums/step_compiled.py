@@ -1,7 +1,7 @@
-"""The torch step's per-batch terms (:func:`attn_callbacks.sums.step.batch_terms`: masks, ``U``, the row statistics
-and the position sums) through ``torch.compile``: inductor fuses their ~40 small kernels into a few passes over the
-weights (Triton on a GPU, C++ on CPU). The same function as the eager step, so the same numbers up to rounding; the
-scatters into the sums stay eager.
+"""The torch step's per-batch terms (:func:`attn_callbacks.sums.step_torch.batch_terms`: masks, ``U``, the row
+statistics and the position sums) through ``torch.compile``: inductor fuses their ~40 small kernels into a few passes
+over the weights (Triton on a GPU, C++ on CPU). The same function as the eager step, so the same numbers up to rounding;
+the scatters into the sums stay eager.
 
 One compiled function serves the process. Dynamo specialises it on the first batch's shapes and, when a length
 changes, recompiles once with dynamic shapes, so varying lengths do not recompile without bound. A compile error
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attn_callbacks.sums.step import batch_terms
+from attn_callbacks.sums.step_torch import batch_terms
 
 __all__ = ["batch_terms_compiled", "compile_failed"]
 
@@ -31,7 +31,7 @@ def compile_failed() -> str | None:
 
 
 def batch_terms_compiled(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor] | None:
-    """:func:`~attn_callbacks.sums.step.batch_terms` of these arguments, compiled; None once compiling failed (the
+    """:func:`~attn_callbacks.sums.step_torch.batch_terms` of these arguments, compiled; None once compiling failed (the
     caller runs the eager code: nothing was changed in place)."""
     global _compiled, _failed
     if _failed is not None:

@@ -1,7 +1,7 @@
 """The CPU fast path of :func:`attn_callbacks.sums.step.accumulate_attention`: one numba kernel per batch.
 
-The torch path (:func:`attn_callbacks.sums.step.accumulate_attention_torch`, the reference and the GPU path) reads the
-weights several times (masking copy, scatter, row sums, ``Σ w log w``, distance) and scatters through a
+The torch path (:func:`attn_callbacks.sums.step_torch.accumulate_attention_torch`, the reference and the GPU path)
+reads the weights several times (masking copy, scatter, row sums, ``Σ w log w``, distance) and scatters through a
 ``(B, Lq, Lk)`` pair index. This kernel reads each query row's ``H × Lk`` weights from memory once, in one vectorised
 pass that decides whether the row is kept (finite, some positive weight) and sums what the position statistics need.
 It computes the same sums as the torch path, on the same packed layout, in place. Consecutive kept rows of one query
