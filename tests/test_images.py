@@ -18,16 +18,14 @@ UNIFORM_SUM = torch.ones(3, 3, dtype=torch.float64)
 SHOWN, LABELS = torch.tensor([2, 0]), ["c", "a"]
 
 
-def _maps(images, mass=MASS, pair_count=None, **kwargs):
-    pair_count = torch.ones(3, 3) if pair_count is None else pair_count
+def _maps(images, mass=MASS, uniform_sum=UNIFORM_SUM, **kwargs):
     arguments = {"mass_heads": None, "square": True, **kwargs}
     return images.module_maps(
         TAG,
         LAYER,
         mass=mass,
         query_count=QUERY_COUNT,
-        uniform_sum=UNIFORM_SUM,
-        pair_count=pair_count,
+        uniform_sum=uniform_sum,
         rows=SHOWN,
         cols=SHOWN,
         row_labels=LABELS,
@@ -97,10 +95,10 @@ def test_images_module_maps_shared_limits_are_the_hand_computed_maxima():
     images = Images("shared")
     reference = torch.zeros(3, 3, dtype=torch.float64)
     reference[0, 0] = 0.9  # shown cell (1, 1): 0.5 - 0.9
-    pair_count = torch.ones(3, 3)
-    pair_count[2, 2] = 0  # lift of cell (2, 2) = 2 * 0.5 / 1 = 1 would be log2 = 0, and is blank anyway
+    uniform = UNIFORM_SUM.clone()
+    uniform[2, 2] = 0  # never visible: cell (2, 2) is blank
     heads = torch.stack([MASS, 2 * MASS])
-    _maps(images, pair_count=pair_count, mass_heads=heads, reference_mass=reference, reference_epoch=0, suffix="/x")
+    _maps(images, uniform_sum=uniform, mass_heads=heads, reference_mass=reference, reference_epoch=0, suffix="/x")
     # Shown block (rows, cols = 2, 0): [[P22, P20], [P02, P00]] = [[0.5, 0.25], [0.2, 0.5]].
     # log2 lift = log2(Q[a] P[a, b] / 1): cells (2, 0) 2 * 0.25 -> -1, (0, 2) 4 * 0.2 -> log2(0.8), (0, 0) 4 * 0.5 -> 1.
     want = {"mass": 0.5, "mass_heads": 1.0, "asymmetry_map": 0.05, "lift_map": 1.0, "drift_map": 0.5}
@@ -129,10 +127,10 @@ def test_images_asymmetry_map_is_red_where_the_query_attends_more():
     _assert_colour(_pixel(got, at, 0, 0), _colour("RdBu_r", 0.5))
 
 
-def test_images_lift_map_leaves_never_seen_pairs_blank():
-    pair_count = torch.ones(3, 3)
-    pair_count[0, 2] = 0  # shown cell (1, 0)
-    got = _maps(Images(), pair_count=pair_count)["attention_lift_map/enc.0"]
+def test_images_lift_map_leaves_never_visible_pairs_blank():
+    mass, uniform = MASS.clone(), UNIFORM_SUM.clone()
+    mass[0, 2] = uniform[0, 2] = 0  # shown cell (1, 0): counted in C, but a mask hid it (as a causal one hides)
+    got = _maps(Images(), mass=mass, uniform_sum=uniform)["attention_lift_map/enc.0"]
     at = figures.heatmap(np.zeros((2, 2)), LABELS, LABELS, "t", "", diverging=True)
     assert (_pixel(got, at, 1, 0) == 255).all()
     _assert_colour(_pixel(got, at, 0, 1), _colour("RdBu_r", 0.5 + 0.5 * -1.0))  # log2(2 * 0.25) = -1 = -limit

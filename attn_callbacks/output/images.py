@@ -55,7 +55,6 @@ class Images:
         mass_heads: Tensor | None,
         query_count: Tensor,
         uniform_sum: Tensor,
-        pair_count: Tensor,
         rows: Tensor,
         cols: Tensor,
         row_labels: Sequence[str],
@@ -110,8 +109,9 @@ class Images:
             )
         # S̄ = Q P̄ at the shown cells, as the tables' lifts take it.
         lifts = lift(query_count[rows, None].to(mass.dtype) * shown, uniform_sum[block])
-        # log2 lift, blank where the pair was never visible (no evidence either way).
-        log_lift = torch.where(pair_count[block] > 0, torch.log2(lifts.clamp(min=1e-6)), float("nan"))
+        # log2 lift, blank where the pair was never visible (U = 0: no evidence either way). C counts pairs a mask hid
+        # too (a causal model's later keys): their lift 0 would paint a saturated -20 and stretch the scale.
+        log_lift = torch.where(uniform_sum[block] > 0, torch.log2(lifts.clamp(min=1e-6)), float("nan"))
         draw("lift_map", log_lift, "log2 lift over uniform attention (red: more than chance)", "log2(S / U)", True)
         if reference_mass is not None:
             ref_mass = reference_mass[rows.cpu()[:, None], cols.cpu()].to(mass.device)

@@ -278,7 +278,6 @@ class Reporter:
                     mass_heads=stats.attention_mass if self.per_head else None,
                     query_count=stats.query_count,
                     uniform_sum=stats.uniform_sum,
-                    pair_count=stats.pair_count,
                     rows=rows,
                     cols=cols,
                     row_labels=label(rows.tolist(), query_stream),
