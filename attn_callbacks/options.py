@@ -51,7 +51,7 @@ class MonitorOptions:
             as the pair counts stay), and a monitored CPU epoch costs 1.3–1.45× the capture floor instead of
             1.7–1.8×; the position statistics are still summed per head for their layer values (the mean over
             heads), but no per-head tag is logged.
-        num_pairs: rows of the text tables (one-way pairs, lift pairs, moved tokens, hubs).
+        num_pairs: rows of the text tables (one-way pairs, lift pairs, moved tokens, hubs); 0 for no tables.
         min_support: the least evidence a table or drift row needs: pair count both ways for one-way pairs, pair
             count for lift pairs, query count in both epochs for a row of the drift.
         log_every_n_epochs: monitor every n-th validation epoch of ``trainer.fit``: the 1st, the (n + 1)-th, ...
@@ -76,8 +76,9 @@ class MonitorOptions:
         probe_forward: ``fn(pl_module, batch)`` running the model on a probe batch given in ``probe`` (its output is
             ignored; nothing is logged or accumulated from it except the probe maps).
         probe_samples: how many samples of the probe batch to draw.
-        export: also save the raw sums and counts of every monitored epoch as ``"pt"`` or ``"npz"`` files (read them
-            back with :func:`attn_callbacks.load_epoch`); None to save nothing.
+        export: also save the raw sums and counts of every monitored validation epoch (not the sanity pass or test
+            epochs) as ``"pt"`` or ``"npz"`` files (read them back with :func:`attn_callbacks.load_epoch`); None to
+            save nothing.
         export_dir: the folder the files go to; ``{logger log_dir}/attention_epochs`` when None.
         monitor_test: also monitor ``trainer.test()`` epochs, logged under ``{prefix}_test...`` tags (never drift
             epochs). ``predict`` is never monitored.

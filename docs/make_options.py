@@ -38,6 +38,9 @@ a complete, commented config for the toy translation model:
 pip install -e '.[cli]' && python examples/cli.py fit --config examples/attention_monitor.yaml
 ```
 
+The monitor's part of a config for a translation model with 32,000-word vocabularies (streams `src` and `tgt` wire
+self- and cross-attention themselves):
+
 ```yaml
 trainer:
   callbacks:
@@ -46,7 +49,6 @@ trainer:
         token_ids: {src: src, tgt: tgt}        # batch keys (in YAML a string is always a batch key)
         vocab_size: {src: 32000, tgt: 32000}
         ignore_ids: [0]
-        attention_streams: {"*cross_attn": [tgt, src]}
         max_tracked_tokens: 2048             # sums of 2,049² × (4·8 + 12) B ≈ 185 MB per module at 8 heads
         memory_budget: 4GiB
         color_scale: shared
