@@ -21,7 +21,7 @@ from attn_callbacks.metrics.drift_memory import DriftMemory
 from attn_callbacks.output.epoch_files import check_export_dir
 from attn_callbacks.output.report import Reporter
 from attn_callbacks.schedule import Schedule
-from attn_callbacks.sums.accumulator import EpochSums
+from attn_callbacks.sums.epoch_sums import EpochSums
 
 __all__ = ["MonitorOptions"]
 

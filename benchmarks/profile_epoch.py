@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from _workload import Encoder, SdpaEncoder, device_label, nudge, quiet, token_ids, validate
 from attn_callbacks import AttentionMonitor
-from attn_callbacks.sums.accumulator import EpochSums
+from attn_callbacks.sums.epoch_sums import EpochSums
 
 RANGES = ("attn_callbacks.add", "attn_callbacks.epoch_end")
 

@@ -65,7 +65,8 @@ from attn_callbacks.metrics.tables import (
 )
 from attn_callbacks.output.images import Images
 from attn_callbacks.output.writer import png_bytes
-from attn_callbacks.sums.accumulator import AttentionAccumulator, EpochSums
+from attn_callbacks.sums.accumulator import AttentionAccumulator
+from attn_callbacks.sums.epoch_sums import EpochSums
 
 BATCHES = {"stress": 16, "tiny": 2}  # validation batches an epoch
 TOP_K, NUM_PAIRS, MIN_SUPPORT = 30, 10, 5  # the monitor's defaults
@@ -255,7 +256,6 @@ def twins(preset: str) -> tuple[list[Twin], str]:
         mass_heads=mass_heads,
         query_count=query_count,
         uniform_sum=stats.uniform_sum,
-        pair_count=stats.pair_count,
         rows=rows,
         cols=rows,
         row_labels=labels(rows.tolist()),

@@ -13,7 +13,8 @@ pytest.importorskip("numba")
 from attn_callbacks.base import numba_loader
 from attn_callbacks.sums import step as kernels
 from attn_callbacks.sums import step_numba
-from attn_callbacks.sums.accumulator import AttentionAccumulator, EpochSums
+from attn_callbacks.sums.accumulator import AttentionAccumulator
+from attn_callbacks.sums.epoch_sums import EpochSums
 from attn_callbacks.sums.step import POSITION_STATS, accumulate_attention, pair_index
 from attn_callbacks.sums.step_numba import accumulate_attention_numba
 from attn_callbacks.sums.step_torch import accumulate_attention_torch
@@ -409,7 +410,7 @@ def test_accumulator_and_epoch_sums_compute_the_pair_index_only_for_the_torch_pa
     weights, query_ids, key_ids, query_valid, key_valid = make_case(causal=True, seed=15)
     built = []
     for where in (
-        "attn_callbacks.sums.accumulator.pair_index",
+        "attn_callbacks.sums.epoch_sums.pair_index",
         "attn_callbacks.sums.step.pair_index",
     ):  # EpochSums, update
         monkeypatch.setattr(where, lambda *a: built.append(1) or pair_index(*a))
