@@ -12,7 +12,7 @@ from _reference import ACCELERATOR, copied, naive_js, returned
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, TENSORS, EventAccumulator
 
 from attn_callbacks import AttentionMonitor, load_epoch
 from attn_callbacks.functional import attention_mass
@@ -217,3 +217,47 @@ def test_callback_leaves_js_drift_out_when_no_token_has_the_support_and_keeps_fr
     logged = drift_scalars(fit.logger.log_dir)
     assert logged and not any("/js_" in tag for tag in logged)  # a 0 here would read "nothing moved"
     assert logged["attention_drift/frobenius_prev/encoder.layers.0.self_attn"] > 0  # the weights did change
+
+
+class SkipsLayerOne(TinyEncoder):
+    """Validation of epoch ``skip`` runs the encoder's first layer only: layer 1 sees nothing that epoch."""
+
+    def __init__(self, skip):
+        super().__init__()
+        self.skip = skip
+
+    def forward(self, ids):
+        if self.training or self.trainer.current_epoch != self.skip:
+            return super().forward(ids)
+        return self.head(self.encoder.layers[0](self.embed(ids), src_key_padding_mask=ids == PAD))
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+def test_callback_an_epoch_a_module_saw_nothing_of_is_no_drift_snapshot_for_it(tmp_path, skip):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1, num_pairs=0, export="pt")
+    fit = trainer(tmp_path, [monitor], max_epochs=3, num_sanity_val_steps=0, limit_train_batches=2)
+    with pytest.warns(UserWarning, match=r"'encoder.layers.1.self_attn' were hooked for .* but never ran"):
+        fit.fit(SkipsLayerOne(skip), *loaders())
+    events = EventAccumulator(fit.logger.log_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+
+    def values(kind, layer):
+        tag = f"attention_drift/{kind}/encoder.layers.{layer}.self_attn"
+        return [event.value for event in events.Scalars(tag)] if tag in tags else []
+
+    layer = "encoder.layers.1.self_attn"
+    masses = [load_epoch(path).modules[layer] for path in sorted(tmp_path.rglob("*.pt"))]
+    assert [int(stats.query_count.sum()) > 0 for stats in masses] == [epoch != skip for epoch in range(3)]
+    p = [stats.attention_mass.double().mean(0) for stats in masses]
+    assert len(values("frobenius_prev", 0)) == 2  # layer 0 ran every epoch
+    if skip == 0:  # no reference for layer 1: nothing against it, never a 0 that reads "nothing moved"
+        assert values("frobenius_ref", 1) == [] and values("js_ref", 1) == []
+        then = 1  # epoch 2 against epoch 1, the previous one
+        (frobenius,) = values("frobenius_prev", 1)
+    else:  # epoch 2 has no previous epoch for layer 1, and its reference is still epoch 0
+        assert values("frobenius_prev", 1) == [] and values("js_prev", 1) == []
+        then = 0
+        (frobenius,) = values("frobenius_ref", 1)
+    assert frobenius == pytest.approx(float((p[2] - p[then]).norm() / p[then].norm()), rel=1e-4) and frobenius > 0

@@ -95,7 +95,10 @@ class DriftMemory:
             return torch.empty(0, dtype=sums.dtype, device=sums.device).set_(spare.untyped_storage(), 0, sums.shape)
 
     def remember(self, epoch: int, masses: Mapping[str, tuple[Tensor, Tensor, Mapping[str, Tensor]]]) -> None:
-        """Keep this epoch as the previous one, and as the reference when it is the reference epoch.
+        """Keep this epoch as the previous one, and as the reference when it is the reference epoch. A module that saw
+        no query token in this epoch (it did not run, or every row it gave was dropped) is left out: drift against
+        it would compare with a ``P`` of zeros and read "nothing moved", so the next epoch logs no drift for that
+        module against this one.
 
         Args:
             epoch: the training epoch.
@@ -107,6 +110,8 @@ class DriftMemory:
         """
         snapshot = {}
         for name, (mass, count, derived) in masses.items():
+            if int(count.sum()) == 0:
+                continue
             mass = mass.detach()
             parts = {**derived}
             if "row_plogp" not in parts:
