@@ -214,6 +214,13 @@ class AttentionMonitor(MonitorOptions, Callback):
                     f"AttentionMonitor: the checkpoint tracks {held}, but this monitor {what}: resume with the "
                     "streams and vocabulary the checkpoint was written with."
                 )
+            missing = sorted(set(streams.sinks.get(stream, [])) - set(ids.tolist()))
+            if missing:  # sinks are always tracked: their share would be looked up in a row that is not there
+                raise ValueError(
+                    f"AttentionMonitor: argument `sink_ids` names ids {missing} of stream {stream!r}, but the "
+                    f"checkpoint tracks {len(ids)} ids of that stream without them: resume with the `sink_ids` the "
+                    "checkpoint was written with (its tracked ids stay fixed, so that epochs stay comparable)."
+                )
             if given is not None and not torch.equal(given, ids):
                 changed = f"`tracked_ids` ({len(given)} ids)"
             elif given is None and (

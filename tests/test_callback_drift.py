@@ -3,6 +3,7 @@ table."""
 
 import gc
 import math
+import re
 import warnings
 
 import pytest
@@ -198,6 +199,15 @@ def test_callback_resuming_with_other_tracking_keeps_the_checkpoints_and_says_so
     with pytest.warns(UserWarning, match=f"the checkpoint tracks 4 ids of stream 'tokens'.*{message}"):
         resumed.load_state_dict(state)
     assert torch.equal(resumed.state_dict()["tracked_ids"]["tokens"], kept)
+
+
+def test_callback_resuming_with_a_sink_the_checkpoint_does_not_track_is_refused(tmp_path):
+    state = fitted_state(tmp_path, max_tracked_tokens=4)
+    outside = sorted(set(range(1, VOCAB)) - set(state["tracked_ids"]["tokens"].tolist()))[:2]
+    resumed = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], max_tracked_tokens=4, sink_ids=outside)
+    message = re.escape(f"`sink_ids` names ids {outside} of stream 'tokens'") + ".*tracks 4 ids"
+    with pytest.raises(ValueError, match=message):
+        resumed.load_state_dict(state)
 
 
 def test_callback_resuming_into_a_smaller_vocabulary_is_refused(tmp_path):
