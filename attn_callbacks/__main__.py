@@ -27,7 +27,7 @@ from typing import TextIO
 
 from attn_callbacks.base.config import short_repr
 from attn_callbacks.base.labels import label_tokens
-from attn_callbacks.metrics.drift import Snapshot, moved_tokens
+from attn_callbacks.metrics.drift import Snapshot, moved_tokens, supported_rows
 from attn_callbacks.metrics.summary import drift_between
 from attn_callbacks.output.epoch_files import not_a_folder
 from attn_callbacks.output.export import EpochRecord, load_epoch
@@ -193,14 +193,22 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
             mass_old, mass_new = mass_old.mean(dim=0, keepdim=True), mass_new.mean(dim=0, keepdim=True)
         then = Snapshot.of(mass_old, before.query_count)
         drift = drifts[name] = drift_between(mass_new, after.query_count, then, args.min_support)
-        rows.append((_display(name), "mean", f"{float(drift.js):#.6g}", f"{float(drift.frobenius):#.6g}"))
+        # A 0 there would read "nothing moved", as in the callback, which logs neither.
+        shown = (
+            bool(supported_rows(after.query_count, before.query_count, args.min_support).any()),
+            bool(before.query_count.any()),
+        )
+        rows.append((_display(name), "mean", *_drift_cells(float(drift.js), float(drift.frobenius), shown)))
         if args.per_head and heads_differ:
             rows.append(("", "(one file has no per-head sums)", "", ""))
         elif args.per_head:
             js_heads, frobenius_heads = drift.js_heads, drift.frobenius_heads
             for h, (js_h, frobenius_h) in enumerate(zip(js_heads.tolist(), frobenius_heads.tolist(), strict=True)):
-                rows.append(("", f"head {h}", f"{js_h:#.6g}", f"{frobenius_h:#.6g}"))
+                rows.append(("", f"head {h}", *_drift_cells(js_h, frobenius_h, shown)))
     _print_table(("module", "heads", "JS (nats)", "rel. Frobenius"), rows, out, numeric=(2, 3))
+    if any("n/a" in row for row in rows):
+        support = f"no query token seen >= {args.min_support} times in both"
+        print(f"\n  n/a: JS with {support}, Frobenius where OLD saw no query token", file=out)
 
     if args.top == 0:
         return 0
@@ -229,6 +237,11 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
         header = ("query token", "JS (nats)", "Q old", "Q new", "top key old", "top key new")
         _print_table(header, rows, out, numeric=(1, 2, 3), indent="  ")
     return 0
+
+
+def _drift_cells(js: float, frobenius: float, shown: tuple[bool, bool]) -> tuple[str, str]:
+    """The JS and Frobenius cells of a row, "n/a" where ``shown`` says the number means nothing."""
+    return f"{js:#.6g}" if shown[0] else "n/a", f"{frobenius:#.6g}" if shown[1] else "n/a"
 
 
 def _check_labels(name: str, old: EpochRecord, new: EpochRecord, args: argparse.Namespace) -> None:

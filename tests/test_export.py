@@ -425,6 +425,39 @@ def test_main_compare_identical_epochs_print_zero_drift(tmp_path, capsys):
     assert CROSS not in "\n".join(lines)
 
 
+def test_main_compare_prints_n_a_where_the_callback_would_log_no_drift(tmp_path, capsys):
+    old = save_two_modules(tmp_path / "old.pt", seed=0)
+    new = save_two_modules(tmp_path / "new.pt", seed=1)
+    argv = ["compare", str(tmp_path / "old.pt"), str(tmp_path / "new.pt"), "--modules", "encoder.*", "--top", "0"]
+    assert main([*argv, "--min-support", "1000000", "--per-head"]) == 0  # no row that often in both: no JS
+    lines = capsys.readouterr().out.splitlines()
+    rows = [row.split() for row in parse_table(lines, "module")]
+    assert (
+        "  n/a: JS with no query token seen >= 1000000 times in both, Frobenius where OLD saw no query token" in lines
+    )
+    _, frob = F.attention_drift(
+        new[SELF].attention_mass.mean(0),
+        old[SELF].attention_mass.mean(0),
+        *(new[SELF].query_count, old[SELF].query_count, 1000000),
+    )
+    assert rows[0] == [SELF, "mean", "n/a", f"{float(frob):#.6g}"] and float(frob) > 0
+    assert all(row[2] == "n/a" for row in rows[1:]) and len(rows) == 1 + HEADS
+    empty = AttentionStats(*(torch.zeros_like(getattr(old[SELF], f)) for f in SUM_FIELDS))  # OLD saw nothing
+    save_epoch(
+        tmp_path / "empty.pt",
+        {SELF: empty},
+        streams={SELF: STREAMS[SELF]},
+        labels={"src": LABELS},
+        epoch=0,
+        global_step=0,
+    )
+    argv[1] = str(tmp_path / "empty.pt")
+    assert main(argv) == 0
+    assert [row.split() for row in parse_table(capsys.readouterr().out.splitlines(), "module")] == [
+        [SELF, "mean", "n/a", "n/a"]
+    ]
+
+
 def test_main_compare_a_per_head_file_with_a_mean_only_one_compares_the_head_means(tmp_path, capsys):
     old = {SELF: accumulate(0)}
     new = {SELF: accumulate(1, mean_of_heads=True)}  # per_head=False: S of the head mean only
