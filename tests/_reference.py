@@ -1,8 +1,10 @@
 """Independent references and small helpers shared by the test files."""
 
 import contextlib
+import html
 import math
 import os
+import re
 
 import numpy as np
 import torch
@@ -329,3 +331,12 @@ def masked_case(b, h, lengths, vocab, causal=True, uniform=False, pad_id=-100, s
     scores = torch.zeros(b, h, length, length) if uniform else torch.randn(b, h, length, length, generator=g)
     weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     return weights, ids, ids, valid, valid
+
+
+def table_cells(markdown: str) -> list[list[str]]:
+    """The body rows of a table :func:`~attn_callbacks.metrics.tables.markdown_table` wrote, each cell as it was
+    before escaping (what TensorBoard shows)."""
+    return [
+        [html.unescape(re.sub(r"\\(.)", r"\1", cell)) for cell in line[2:-2].split(" | ")]
+        for line in markdown.splitlines()[2:]
+    ]

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from _callback_helpers import PAD, VOCAB, TinyEncoder, last_scalars, loaders, saved_and_loaded, trainer
-from _reference import ACCELERATOR, copied, naive_js, returned
+from _reference import ACCELERATOR, copied, naive_js, returned, table_cells
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -146,7 +146,7 @@ def test_callback_drift_table_lists_most_moved_tokens_with_loop_js_against_both(
     events = EventAccumulator(fitted.logger.log_dir, size_guidance={TENSORS: 0})
     events.Reload()
     table = events.Tensors(f"attention_drift_tokens/{layer}/text_summary")[-1].tensor_proto.string_val[0].decode()
-    rows = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    rows = table_cells(table)
     # each epoch's P̄ and Q, from the exported sums
     epochs = [load_epoch(path).modules[layer] for path in sorted(tmp_path.rglob("*.pt"))]
     (ref, ref_q), (prev, prev_q), (now, now_q) = [(s.attention_mass.double().mean(0), s.query_count) for s in epochs]

@@ -20,6 +20,7 @@ from _callback_helpers import (
     run_validate,
     trainer,
 )
+from _reference import table_cells
 from lightning.pytorch import seed_everything
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
@@ -80,7 +81,7 @@ def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_pat
         assert b"| query a | key b |" in text[-1].tensor_proto.string_val[0]
         # epoch 0 is both the reference and the previous epoch: each moved token's two JS columns agree
         drift = events.Tensors(f"attention_drift_tokens/{layer}/text_summary")[-1].tensor_proto.string_val[0]
-        rows = [line.split(" | ") for line in drift.decode().splitlines()[2:]]
+        rows = table_cells(drift.decode())
         assert rows and all(row[1] == row[2] for row in rows)
     js = events.Scalars(f"attention_drift/js_prev/{layers[0]}")[0].value
     assert 0 < js <= math.log(2)  # the model trained between the two epochs

@@ -7,7 +7,6 @@ from _reference import figure_to_array, words
 from PIL import Image
 
 from attn_callbacks.base.labels import label_tokens
-from attn_callbacks.metrics.tables import markdown_table
 from attn_callbacks.output import figure_cache, figures
 from attn_callbacks.output.writer import png_bytes
 
@@ -39,11 +38,6 @@ def test_head_grid_and_diverging_map_render():
         np.array([[0.0, 0.5], [-0.5, 0.0]]), ["a", "b"], ["a", "b"], "d", "P-Pt", diverging=True
     )
     assert figure_to_array(diverging).shape[2] == 4
-
-
-def test_markdown_table_escapes_pipes():
-    table = markdown_table(["a", "b"], [("x|y", 0.12345)])
-    assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 0.123 |"]
 
 
 def test_figure_cache_redraws_pixels_equal_to_a_fresh_render_respects_its_memory_cap():

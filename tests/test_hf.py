@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from _reference import ACCELERATOR, add_loop_sums
+from _reference import ACCELERATOR, add_loop_sums, table_cells
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -182,7 +182,7 @@ def test_hf_monitor_logs_scalars_images_and_tokenizer_labels(tmp_path):
     assert len(events.Scalars(f"attention_position_heads/sink_mass/{layer}/head_{HEADS - 1}")) == 1
     assert len(events.Images("attention_heads/position_sink_mass")) == 1
     hubs = events.Tensors(f"attention_hubs/{layer}/text_summary")[0].tensor_proto.string_val[0].decode()
-    tokens = [row.split("|")[1].strip() for row in hubs.splitlines()[2:]]  # first column: the hub tokens
+    tokens = [row[0] for row in table_cells(hubs)]  # first column: the hub tokens
     assert tokens and set(tokens) <= set(WORDS) - {"[PAD]"}  # the tokenizer's tokens, not bare ids
 
 
@@ -268,7 +268,7 @@ def test_hf_minilm_example_runs_offline_and_shows_the_real_attention_sinks(tmp_p
         if 1 <= layer <= 4:
             assert min(sinks) > 0.25, (layer, sinks)
             hubs = events.Tensors(f"attention_hubs/{name}/text_summary")[-1].tensor_proto.string_val[0].decode()
-            top = [row.split("|")[1].strip() for row in hubs.splitlines()[2:5]]
+            top = [row[0] for row in table_cells(hubs)[:3]]
             assert {"[CLS]", "[SEP]"} & set(top), (layer, top)  # the sinks are the top PageRank hubs
 
 

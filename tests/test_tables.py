@@ -1,9 +1,13 @@
+import html
 import math
+import re
 
 import pytest
 import torch
+from _reference import table_cells
 
 from attn_callbacks import functional as F
+from attn_callbacks.metrics.tables import markdown_table
 
 
 def test_pairwise_asymmetry_and_one_way_pairs():
@@ -253,3 +257,21 @@ def test_one_way_table_leaves_out_pairs_never_visible_one_way(numba, monkeypatch
     rows = [line.split(" | ") for line in tables["one_way_pairs"].splitlines()[2:]]
     assert [(row[0].strip("| "), row[1]) for row in rows] == [("1", "0")]  # (2, 0) and (2, 1): 2 was never visible
     assert float(rows[0][2]) == pytest.approx(1.0)
+
+
+def test_markdown_table_escapes_pipes():
+    table = markdown_table(["a", "b"], [("x|y", 0.12345)])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 0.123 |"]
+
+
+def test_markdown_table_cells_render_in_tensorboard_as_written():
+    from tensorboard import plugin_util
+
+    labels = ["__init__", "*args*", "`x`", "\\*", "[CLS](x)", "![i](x)", "<s>", "<em>", "a|b", "&amp;", "x\\|y"]
+    labels += ["<other>", "▁the", "1.", "- x", "#tag", "0.125", "-3", "a  b"]
+    page = plugin_util.markdown_to_safe_html(markdown_table(["token", "P"], [(label, 0.5) for label in labels]))
+    cells = [html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<td>(.*?)</td>", page, re.S)]
+    assert cells[::2] == labels and cells[1::2] == ["0.500"] * len(labels)
+    assert table_cells(markdown_table(["token", "P"], [(label, 0.5) for label in labels])) == [
+        [label, "0.500"] for label in labels
+    ]

@@ -4,6 +4,7 @@ them: pure functions of the sums, with labels given as functions."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -228,12 +229,18 @@ def _read(items: Sequence[Any], device: torch.device, *gathers: Callable[..., Te
     return torch.stack([column.to(device, torch.float64) for column in columns]).tolist()
 
 
+_MARKDOWN_INLINE = re.compile(r"[\\`*_\[\]|]")
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A Markdown table (TensorBoard's text plugin renders it); ``|`` in cells escaped."""
+    """A Markdown table (TensorBoard's text plugin renders it). Cells show as written: ``&``, ``<`` and ``>`` become
+    entities and the characters of inline Markdown (``\\ ` * _ [ ] |``) are escaped, so that a token such as
+    ``__init__``, ``*args*`` or ``<s>`` is not rendered as emphasis, a link or an HTML tag."""
 
     def cell(value: object) -> str:
         text = f"{value:.3f}" if isinstance(value, float) else str(value)
-        return text.replace("|", "\\|")
+        text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        return _MARKDOWN_INLINE.sub(r"\\\g<0>", text)
 
     lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
