@@ -67,6 +67,8 @@ class MonitorOptions:
         drift_reference_epoch: the (training) epoch whose monitored validation drift ``..._ref`` compares against; the
             first monitored epoch when None. When that epoch is not monitored (no validation then, or
             ``log_every_n_epochs`` skips it), the first monitored epoch after it is the reference, with a warning.
+            A ``trainer.validate()`` is a monitored epoch too, at the trainer's current epoch: run before ``fit``, it
+            is epoch 0, the untrained model's attention, and becomes the reference by default.
         sink_ids: key-vocabulary ids of special tokens ([CLS], [SEP], BOS ...) whose share of attention is logged as
             ``sink_mass``; a sequence for every key stream, or a mapping stream name -> sequence.
         entropy_collapse_threshold: warn once per head when its normalised entropy falls below this (0 disables).
