@@ -297,3 +297,23 @@ def test_pair_index_points_pairs_of_ids_outside_the_vocabulary_past_the_last_cel
     P = torch.zeros(len(F.POSITION_STATS), 1, dtype=torch.float64)
     with pytest.raises((IndexError, RuntimeError)):  # the scatter refuses the pair, rather than count it elsewhere
         accumulate_attention_torch(packed, C, Q, P, torch.full((1, 1, 2, 2), 0.5).double(), index, ids, valid, valid)
+
+
+def test_torch_step_keeps_each_weight_of_a_cell_many_batches_made_large():
+    """One id: every weight lands in one cell, whose float32 sum reaches 2^15. Added pair by pair to the running sum,
+    a weight ~1/512 rounds away (half an ulp and less); each batch summed apart, then added, keeps them all."""
+    g = torch.Generator().manual_seed(0)
+    batch, length, batches = 2, 512, 32
+    sums, pair_count = torch.zeros(2, 1), torch.zeros(1, dtype=torch.long)
+    query_count, position_sums = torch.zeros(1, dtype=torch.long), torch.zeros(6, 1)
+    ids, valid = torch.zeros(batch, length, dtype=torch.long), torch.ones(batch, length, dtype=torch.bool)
+    pairs = torch.zeros(batch, length, length, dtype=torch.long)
+    expected = 0.0
+    for _ in range(batches):
+        weights = torch.randn(batch, 1, length, length, generator=g).softmax(-1)
+        expected += float(weights.double().sum())
+        accumulate_attention_torch(sums, pair_count, query_count, position_sums, weights, pairs, ids, valid, valid)
+    assert int(query_count) == batch * length * batches == 2**15
+    # Pair by pair into the running sums: S 31,836 (-2.8 %); each batch apart: within 3e-6.
+    assert float(sums[0, 0]) == pytest.approx(expected, rel=1e-5)  # S: every row's weights, 1 each
+    assert float(sums[1, 0]) == pytest.approx(2**15, rel=1e-5)  # U: 1 / 512 per visible key, 1 a row

@@ -55,6 +55,11 @@ def accumulate_attention_torch(
     A GPU's atomic adds aimed at one cell queue one behind another: with ``hot_cell``, the pairs of that cell are
     summed apart, one reduction per plane, and scatter 0 at their position's cell instead (on an H200, the scatter of a
     BERT-base step whose ids fold ~10 % of its pairs into ``(<other>, <other>)``: 0.44 ms, 0.32 ms with them apart).
+
+    The batch's ``S`` and ``U`` are summed into zeroed memory of the sums' shape first, then added to the sums, one
+    add per cell: a float32 cell that has summed many batches is large, and a weight added to it alone rounds away
+    (pair by pair into the running sums, 200 batches of 16 × 512 Zipf ids over 64 tokens lost 12 % of a frequent
+    pair's mass).
     """
     batch, num_heads, len_q, len_k = weights.shape
     dtype = sums.dtype
@@ -90,11 +95,13 @@ def accumulate_attention_torch(
         pair_count[hot_cell] += (hot.view_as(kept) & kept).sum()
         counted = kept & ~hot.view_as(kept)
     pair_count.index_add_(0, flat.reshape(-1), counted.reshape(-1).to(pair_count.dtype))
+    batch_sums = torch.zeros_like(sums)
     for samples, planes, part, hot_sums in chunks:  # made one at a time
         position_sums += part.to(position_sums.dtype)
         if hot_sums is not None:
-            sums[:, hot_cell] += hot_sums
-        sums.index_add_(1, flat[samples].reshape(-1), planes)
+            batch_sums[:, hot_cell] += hot_sums
+        batch_sums.index_add_(1, flat[samples].reshape(-1), planes)
+    sums += batch_sums
     return skipped
 
 
