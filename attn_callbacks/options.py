@@ -48,8 +48,8 @@ class MonitorOptions:
         top_k: how many of the most frequent query and key tokens the heatmaps show.
         per_head: also log per-head scalars and the per-head heatmap grid. When False only the mean of the heads is
             accumulated: the sums take ``16·Vq·Vk`` bytes instead of ``(4H + 12)·Vq·Vk`` (2.75× less at 8 heads,
-            as the pair counts stay), and a monitored CPU epoch costs 1.3–1.45× the capture floor instead of
-            1.7–1.8×; the position statistics are still summed per head for their layer values (the mean over
+            as the pair counts stay), and a monitored epoch's end takes about half as long on the CPU (see
+            docs/performance.md); the position statistics are still summed per head for their layer values (the mean over
             heads), but no per-head tag is logged.
         num_pairs: rows of the text tables (one-way pairs, lift pairs, moved tokens, hubs); 0 for no tables.
         min_support: the least evidence a table or drift row needs: pair count both ways for one-way pairs, pair
