@@ -49,8 +49,8 @@ class MonitorOptions:
         per_head: also log per-head scalars and the per-head heatmap grid. When False only the mean of the heads is
             accumulated: the sums take ``16·Vq·Vk`` bytes instead of ``(4H + 12)·Vq·Vk`` (2.75× less at 8 heads,
             as the pair counts stay), and a monitored epoch's end takes about half as long on the CPU (see
-            docs/performance.md); the position statistics are still summed per head for their layer values (the mean over
-            heads), but no per-head tag is logged.
+            docs/performance.md); the position statistics are still summed per head for their layer values (the
+            mean over heads), but no per-head tag is logged.
         num_pairs: rows of the text tables (one-way pairs, lift pairs, moved tokens, hubs); 0 for no tables.
         min_support: the least evidence a table or drift row needs: pair count both ways for one-way pairs, pair
             count for lift pairs, query count in both epochs for a row of the drift.
