@@ -196,7 +196,7 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
         # A 0 there would read "nothing moved", as in the callback, which logs neither.
         shown = (
             bool(supported_rows(after.query_count, before.query_count, args.min_support).any()),
-            bool(before.query_count.any()),
+            bool(before.query_count.any() and after.query_count.any()),  # ||0 - P̄_old|| / ||P̄_old|| = 1
         )
         rows.append((_display(name), "mean", *_drift_cells(float(drift.js), float(drift.frobenius), shown)))
         if args.per_head and heads_differ:
@@ -208,7 +208,7 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
     _print_table(("module", "heads", "JS (nats)", "rel. Frobenius"), rows, out, numeric=(2, 3))
     if any("n/a" in row for row in rows):
         support = f"no query token seen >= {args.min_support} times in both"
-        print(f"\n  n/a: JS with {support}, Frobenius where OLD saw no query token", file=out)
+        print(f"\n  n/a: JS with {support}, Frobenius where a file saw no query token", file=out)
 
     if args.top == 0:
         return 0

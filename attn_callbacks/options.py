@@ -97,8 +97,8 @@ class MonitorOptions:
         memory_budget: the most bytes of sums the callback may hold per device, over all modules and dataloaders
             (a number, or a string such as ``"1GiB"`` or ``"512MB"``); it refuses to start, naming the figure and the
             knobs, rather than run out of memory. None for no limit. The figure is logged either way (again when
-            it grows: SDPA calls' sums are allocated, and checked, at their first call). Off the CPU each batch is
-            summed in a transient copy of one module's sums, which the figure leaves out.
+            it grows: SDPA calls' sums are allocated, and checked, at their first call). The torch step (a GPU; the
+            CPU without numba) sums each batch in a transient copy of one module's sums, which the figure leaves out.
         color_scale: ``"epoch"`` scales each image to its own largest value; ``"shared"`` gives each image tag one
             scale across epochs, the largest value any monitored epoch has drawn under it so far (kept in
             checkpoints), so colours compare by eye from epoch to epoch once the scale has settled; images drawn

@@ -120,3 +120,21 @@ def test_drift_memory_falls_back_to_pageable_memory_with_one_warning(monkeypatch
         memory.remember(0, {"enc": (mass, torch.ones(3, dtype=torch.long, device="cuda"), {})})
     kept = memory.previous["enc"]["attention_mass"]
     assert not kept.is_pinned() and torch.equal(kept, mass.cpu())
+
+
+def test_drift_memory_keeps_its_epochs_when_no_module_saw_a_token():
+    memory = DriftMemory()
+    memory.remember(0, {"enc": (torch.rand(2, 4, 4), torch.ones(4, dtype=torch.long), {})})
+    memory.remember(1, {"enc": (torch.zeros(2, 4, 4), torch.zeros(4, dtype=torch.long), {})})  # all NaN, say
+    assert (memory.previous_epoch, memory.reference_epoch) == (0, 0)
+    empty = DriftMemory()
+    empty.remember(0, {"enc": (torch.zeros(2, 4, 4), torch.zeros(4, dtype=torch.long), {})})
+    assert empty.reference_epoch is None and empty.previous_epoch is None  # epoch 1 can still be the reference
+    empty.remember(1, {"enc": (torch.rand(2, 4, 4), torch.ones(4, dtype=torch.long), {})})
+    assert empty.reference_epoch == 1 and empty.snapshots("enc", torch.Size((2, 4, 4)))[1] is not None
+
+
+def test_drift_memory_names_an_epoch_both_previous_and_reference_once_when_lost():
+    memory = DriftMemory()
+    memory.remember(0, {"enc": (torch.rand(2, 4, 4), torch.ones(4, dtype=torch.long), {})})
+    assert memory.snapshots("enc", torch.Size((2, 5, 5))) == (None, None, [(0, (2, 4, 4))])

@@ -53,10 +53,11 @@ class DriftMemory:
         ``shape`` (a resume into a monitor of another vocabulary or model under the same name), as (epoch, shape):
         nothing comparable, so None in their place, and both None when the previous one is lost."""
         previous, reference = self.previous.get(name), self.reference.get(name)
-        lost = []
+        lost: list[tuple[int | None, tuple[int, ...]]] = []
         for epoch, snapshot in ((self.previous_epoch, previous), (self.reference_epoch, reference)):
             if snapshot is not None and tuple(snapshot["attention_mass"].shape) != tuple(shape):
-                lost.append((epoch, tuple(snapshot["attention_mass"].shape)))
+                if (epoch, tuple(snapshot["attention_mass"].shape)) not in lost:  # the previous epoch is the reference
+                    lost.append((epoch, tuple(snapshot["attention_mass"].shape)))
                 previous, reference = (None, None) if snapshot is previous else (previous, None)
         return _complete(previous), _complete(reference), lost
 
@@ -127,6 +128,8 @@ class DriftMemory:
                 kept.update({key: _to_host(value, pin=True) for key, value in kept.items()})
         for device in {mass.device for mass, _, _ in masses.values() if mass.is_cuda}:
             torch.cuda.synchronize(device)  # the copies into pinned memory are asynchronous: done before any host read
+        if not snapshot:  # no module saw a token (all NaN): no epoch to compare with, least of all the reference
+            return
         retired, kept = self.previous, self.reference
         self.previous, self.previous_epoch = snapshot, epoch
         wanted = self.wanted_reference

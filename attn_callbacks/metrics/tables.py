@@ -239,6 +239,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
 
     def cell(value: object) -> str:
         text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        # A line break would end the row: shown as its escape, as labels show "\n".
+        text = text.replace("\r", "\\r").replace("\n", "\\n")
         text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
         return _MARKDOWN_INLINE.sub(r"\\\g<0>", text)
 
