@@ -335,8 +335,8 @@ def masked_case(b, h, lengths, vocab, causal=True, uniform=False, pad_id=-100, s
 
 def table_cells(markdown: str) -> list[list[str]]:
     """The body rows of a table :func:`~attn_callbacks.metrics.tables.markdown_table` wrote, each cell as it was
-    before escaping (what TensorBoard shows)."""
+    before escaping (what TensorBoard shows; the no-break spaces that keep a cell's edge spaces read as spaces)."""
     return [
-        [html.unescape(re.sub(r"\\(.)", r"\1", cell)) for cell in line[2:-2].split(" | ")]
+        [html.unescape(re.sub(r"\\(.)", r"\1", cell)).replace("\xa0", " ") for cell in line[2:-2].split(" | ")]
         for line in markdown.splitlines()[2:]
     ]

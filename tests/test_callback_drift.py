@@ -245,11 +245,11 @@ class SkipsLayerOne(TinyEncoder):
 @pytest.mark.parametrize("skip", [0, 1])
 def test_callback_an_epoch_a_module_saw_nothing_of_is_no_drift_snapshot_for_it(tmp_path, skip):
     seed_everything(0)
-    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1, num_pairs=0, export="pt")
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], min_support=1, num_pairs=3, export="pt")
     fit = trainer(tmp_path, [monitor], max_epochs=3, num_sanity_val_steps=0, limit_train_batches=2)
     with pytest.warns(UserWarning, match=r"'encoder.layers.1.self_attn' were hooked for .* but never ran"):
         fit.fit(SkipsLayerOne(skip), *loaders())
-    events = EventAccumulator(fit.logger.log_dir, size_guidance={SCALARS: 0})
+    events = EventAccumulator(fit.logger.log_dir, size_guidance={SCALARS: 0, TENSORS: 0})
     events.Reload()
     tags = events.Tags()["scalars"]
 
@@ -269,5 +269,12 @@ def test_callback_an_epoch_a_module_saw_nothing_of_is_no_drift_snapshot_for_it(t
     else:  # epoch 2 has no previous epoch for layer 1, and its reference is still epoch 0
         assert values("frobenius_prev", 1) == [] and values("js_prev", 1) == []
         then = 0
+        # Its drift table has no column against epoch 1 (which layer 0's has): there is nothing to compare with.
+        headers = {}
+        for layer in (0, 1):
+            tag = f"attention_drift_tokens/encoder.layers.{layer}.self_attn/text_summary"
+            headers[layer] = events.Tensors(tag)[-1].tensor_proto.string_val[0].decode().splitlines()[0]
+        assert headers[0] == "| query token | JS vs epoch 0 | JS vs epoch 1 | top key now | top key then | Q now |"
+        assert headers[1] == headers[0].replace(" JS vs epoch 1 |", "")
         (frobenius,) = values("frobenius_ref", 1)
     assert frobenius == pytest.approx(float((p[2] - p[then]).norm() / p[then].norm()), rel=1e-4) and frobenius > 0

@@ -269,9 +269,12 @@ def test_markdown_table_cells_render_in_tensorboard_as_written():
 
     labels = ["__init__", "*args*", "`x`", "\\*", "[CLS](x)", "![i](x)", "<s>", "<em>", "a|b", "&amp;", "x\\|y"]
     labels += ["<other>", "▁the", "1.", "- x", "#tag", "0.125", "-3", "a  b", "a\rb", "a\nb"]
-    shown = [label.replace("\r", "\\r").replace("\n", "\\n") for label in labels]  # a line break would end the row
+    labels += [" the", "the ", " ", "\tx"]
+    # A line break would end the row, a tab at an end would be trimmed: both shown as escapes.
+    shown = [label.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t") for label in labels]
     page = plugin_util.markdown_to_safe_html(markdown_table(["token", "P"], [(label, 0.5) for label in labels]))
     cells = [html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<td>(.*?)</td>", page, re.S)]
+    cells = [cell.replace("\xa0", " ") for cell in cells]  # edge spaces are no-break spaces: Markdown trims spaces
     assert cells[::2] == shown and cells[1::2] == ["0.500"] * len(labels)
     assert table_cells(markdown_table(["token", "P"], [(label, 0.5) for label in labels])) == [
         [label, "0.500"] for label in shown

@@ -235,14 +235,17 @@ _MARKDOWN_INLINE = re.compile(r"[\\`*_\[\]|]")
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table (TensorBoard's text plugin renders it). Cells show as written: ``&``, ``<`` and ``>`` become
     entities and the characters of inline Markdown (``\\ ` * _ [ ] |``) are escaped, so that a token such as
-    ``__init__``, ``*args*`` or ``<s>`` is not rendered as emphasis, a link or an HTML tag."""
+    ``__init__``, ``*args*`` or ``<s>`` is not rendered as emphasis, a link or an HTML tag. Spaces at a cell's ends
+    (which Markdown trims) become no-break spaces, so that ``" the"`` and ``"the"`` stay apart."""
 
     def cell(value: object) -> str:
         text = f"{value:.3f}" if isinstance(value, float) else str(value)
-        # A line break would end the row: shown as its escape, as labels show "\n".
-        text = text.replace("\r", "\\r").replace("\n", "\\n")
+        # A line break would end the row: shown as its escape, as labels show "\n"; a tab too (Markdown trims it).
+        text = text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
         text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-        return _MARKDOWN_INLINE.sub(r"\\\g<0>", text)
+        text = _MARKDOWN_INLINE.sub(r"\\\g<0>", text)
+        lead, core = len(text) - len(text.lstrip(" ")), text.strip(" ")
+        return "&nbsp;" * lead + core + "&nbsp;" * (len(text) - lead - len(core))
 
     lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
@@ -368,8 +371,10 @@ def _drift_table(
     moved = moved_tokens(
         mass[tq], None, stats.query_count[tq], ref_count[tq], num_pairs, min_support, drifts["ref"].rows[tq]
     )
-    prev_js: list[Any] = [""] * len(moved)
-    if "prev" in drifts and moved:  # NaN (not shown) where the token was too rare in the previous epoch
+    # Against the previous epoch where the module has one: it saw nothing then (no snapshot), no column.
+    previous = "prev" in drifts
+    prev_js: list[Any] = []
+    if previous and moved:  # NaN (not shown) where the token was too rare in the previous epoch
         prev_js = [
             "" if math.isnan(js) else js
             for js in drifts["prev"].rows[torch.tensor([a for a, _ in moved], device=mass.device)].tolist()
@@ -384,15 +389,15 @@ def _drift_table(
     queries = query_labels([a for a, _ in moved])
     tops_now, tops_then = key_labels([int(b) for b in now]), key_labels([int(b) for b in then])
     rows = [
-        (query, js, prev, top_now, top_then, int(q))
-        for query, (_, js), prev, top_now, top_then, q in zip(
-            queries, moved, prev_js, tops_now, tops_then, counts, strict=True
-        )
+        (query, js, top_now, top_then, int(q))
+        for query, (_, js), top_now, top_then, q in zip(queries, moved, tops_now, tops_then, counts, strict=True)
     ]
+    if previous:
+        rows = [(*row[:2], js, *row[2:]) for row, js in zip(rows, prev_js, strict=True)]
     header = (
         "query token",
         f"JS vs epoch {epochs[0]}",
-        f"JS vs epoch {epochs[1]}",
+        *([f"JS vs epoch {epochs[1]}"] if previous else []),
         "top key now",
         "top key then",
         "Q now",
