@@ -95,13 +95,15 @@ def _parser() -> argparse.ArgumentParser:
         "--min-support times in both epochs) and relative Frobenius change ||P̄_new - P̄_old|| / ||P̄_old||; then "
         "the query tokens whose attention moved most.",
     )
-    compare.add_argument("old", metavar="OLD", help="the earlier epoch (.pt or .npz), the reference")
-    compare.add_argument("new", metavar="NEW", help="the later epoch (.pt or .npz)")
+    # OLD and NEW are checked in _compare, so that files taken by --modules (it takes every word after it) are named.
+    compare.usage = f"{_PROG} compare OLD NEW [--modules PATTERN ...] [--top N] [--min-support M] [--per-head]"
+    compare.add_argument("old", nargs="?", metavar="OLD", help="the earlier epoch (.pt or .npz), the reference")
+    compare.add_argument("new", nargs="?", metavar="NEW", help="the later epoch (.pt or .npz)")
     compare.add_argument(
         "--modules",
         nargs="+",
         metavar="PATTERN",
-        help="fnmatch patterns over module names (default: all in both); give it after OLD NEW",
+        help="fnmatch patterns over module names (default: all in both); give it after OLD NEW, or end it with --",
     )
     compare.add_argument(
         "--top", type=_int_at_least(0), default=10, metavar="N", help="moved query tokens per module (default 10)"
@@ -148,6 +150,10 @@ def _int_at_least(minimum: int):
 
 # -------------------------------------------------------------------------------------------------------- compare
 def _compare(args: argparse.Namespace, out: TextIO) -> int:
+    if args.new is None:
+        missing = "OLD and NEW are" if args.old is None else "NEW is"
+        taken = f": --modules took {args.modules}; give OLD NEW before it, or end its patterns with --"
+        raise _InputError(f"{missing} required{taken if args.modules else ''}")
     old, new = load_epoch(args.old), load_epoch(args.new)
     common = [name for name in new.modules if name in old.modules]
     if args.modules:

@@ -411,6 +411,15 @@ def test_main_compare_into_a_closed_pipe_stops_quietly(tmp_path):
     assert process.returncode == 1 and errors == b""
 
 
+def test_main_compare_takes_modules_before_the_files_when_ended_with_a_double_dash(tmp_path, capsys):
+    save_two_modules(tmp_path / "a.pt", seed=0)
+    files = [str(tmp_path / "a.pt"), str(tmp_path / "a.pt")]
+    assert main(["compare", *files, "--modules", "encoder.*"]) == 0
+    after = capsys.readouterr().out
+    assert main(["compare", "--modules", "encoder.*", "--", *files]) == 0
+    assert capsys.readouterr().out == after and SELF in after and CROSS not in after
+
+
 def test_main_compare_identical_epochs_print_zero_drift(tmp_path, capsys):
     save_two_modules(tmp_path / "a.pt", seed=0)
     save_two_modules(tmp_path / "b.npz", seed=0)
@@ -496,6 +505,8 @@ def test_main_errors_exit_2_with_a_message(tmp_path, capsys):
         (["compare", e, small], "has (heads, query vocab, key vocab) (2, 6, 6) in OLD but (2, 5, 5) in NEW"),
         (["compare", e, e, "--modules", "nothing*"], "match no module found in both files"),
         (["compare", e, e, "--top", "-1"], "expected an integer >= 0"),
+        (["compare", e], "NEW is required"),
+        (["compare", "--modules", "enc*", e, e], f"--modules took ['enc*', {e!r}, {e!r}]; give OLD NEW before it"),
         (["graph", e, "nope", str(tmp_path / "g.graphml")], "module 'nope' is not in"),
         (["graph", e, SELF, str(tmp_path / "g.graphml"), "--head", "5"], "`head` to be None or an integer in [0, 2)"),
         ([], "required"),
