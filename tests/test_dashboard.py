@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor
-from attn_callbacks.output import dashboard, figure_cache, figures
+from attn_callbacks.output import dashboard, figure_cache, figure_layout, figures
 from attn_callbacks.output.images import Images
 
 
@@ -115,10 +115,10 @@ def test_value_grid_prints_every_value_readably_and_the_cache_redraws_it_exactly
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     ax = figure.axes[0]
-    (numbers,) = [c for c in ax.collections if c.get_gid() == figures._CELL_GID]
+    (numbers,) = [c for c in ax.collections if c.get_gid() == figure_layout.CELL_GID]
     # One outline per cell, centred on the cell: "0", "0.25", "0.50", "0.75", "1.00" and nothing for NaN.
     widths = [np.ptp(path.vertices[:, 0]) if len(path.vertices) else 0.0 for path in numbers.get_paths()]
-    size = figures._font_size(len(rows), len(cols))
+    size = figure_layout.font_size(len(rows), len(cols))
     for text, width in zip(["0", "0.25", "0.50", "0.75", "1.00", ""], widths, strict=True):
         expected = np.ptp(TextPath((0, 0), text, size=size).vertices[:, 0]) if text else 0.0
         assert width == pytest.approx(expected)
@@ -135,9 +135,9 @@ def test_value_grid_prints_every_value_readably_and_the_cache_redraws_it_exactly
 
     assert (cell(1, 1).sum(axis=-1) < 150).any()  # black ink on the yellow 1.00 cell
     assert (cell(1, 2) == 255).all()  # the NaN cell is blank, no number
-    groups = [line.get_ydata()[0] for line in ax.lines if line.get_gid() != figures._TICK_GID]
+    groups = [line.get_ydata()[0] for line in ax.lines if line.get_gid() != figure_layout.TICK_GID]
     assert groups == [1]  # the group line above row 1
-    assert words(ax, figures._ROW_GID).texts == rows and ax.get_xlabel() == "head"
+    assert words(ax, figure_layout.ROW_GID).texts == rows and ax.get_xlabel() == "head"
     cache = figure_cache.FigureCache()
     cache.value_grid(values[::-1].copy(), rows, cols, "another title of the same length..... per head", "", 1.0, [1])
     again = cache.value_grid(values, rows, cols, "share on the own position, per head", "", 1.0, [1])

@@ -1,7 +1,7 @@
 import numpy as np
 from _reference import figure_to_array
 
-from attn_callbacks.output import figures
+from attn_callbacks.output import figure_layout, figures
 from attn_callbacks.output.figure_cache import FigureCache
 
 LABELS = ["a", "b", "c"]
@@ -73,7 +73,8 @@ def test_figure_cache_keeps_a_layout_per_labels_and_colour_map():
 
 def test_figure_cache_a_title_wider_than_the_figure_gets_a_layout_of_its_own():
     cache, wide = FigureCache(), "enc.0: " + "a long title " * 8
-    assert figures.title_sets_width(wide, LABELS, LABELS) and not figures.title_sets_width("enc.0: P", LABELS, LABELS)
+    assert figure_layout.title_sets_width(wide, LABELS, LABELS)
+    assert not figure_layout.title_sets_width("enc.0: P", LABELS, LABELS)
     narrow, widened = _heatmap(cache, FIRST), _heatmap(cache, FIRST, title=wide)
     assert len(cache._entries) == 2 and widened.shape[1] > narrow.shape[1]
     assert np.array_equal(widened, _heatmap(FigureCache(), FIRST, title=wide))

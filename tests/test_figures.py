@@ -7,7 +7,7 @@ from _reference import figure_to_array, words
 from PIL import Image
 
 from attn_callbacks.base.labels import label_tokens
-from attn_callbacks.output import figure_cache, figures
+from attn_callbacks.output import figure_cache, figure_layout, figures
 from attn_callbacks.output.writer import png_bytes
 
 
@@ -24,8 +24,8 @@ def test_heatmap_renders_labelled_rgb_image():
     figure = figures.heatmap(matrix, ["the", "cat"], ["the", "cat"], "layer 0", "P")
     ax = figure.axes[0]
     assert ax.get_ylabel().startswith("query token") and ax.get_xlabel().startswith("key token")
-    assert words(ax, figures._ROW_GID).texts == ["the", "cat"] and words(ax, figures._COL_GID).texts == ["the", "cat"]
-    assert words(figure, figures._TITLE_GID).texts == ["layer 0"]
+    assert words(ax, figure_layout.ROW_GID).texts == words(ax, figure_layout.COL_GID).texts == ["the", "cat"]
+    assert words(figure, figure_layout.TITLE_GID).texts == ["layer 0"]
     assert len(figure.axes) == 2  # the colour bar
     image = figure_to_array(figure)
     assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 4 and image.shape[0] > 100
@@ -102,7 +102,7 @@ def test_maps_whose_titles_fit_above_the_panel_share_a_figure_equal_fresh_render
     labels = [f"t{i}" for i in range(12)]
     cache = figure_cache.FigureCache()
     titles = ["L0: P - Pᵀ", "L0: log2 lift over uniform", "L10: P now - P at epoch 0", "L0: " + "wide title " * 8]
-    assert [figures.title_sets_width(t, labels, labels) for t in titles] == [False, False, False, True]
+    assert [figure_layout.title_sets_width(t, labels, labels) for t in titles] == [False, False, False, True]
     for title in titles:
         matrix = rng.standard_normal((12, 12))
         got = cache.heatmap(matrix, labels, labels, title, title[-5:], diverging=True)
@@ -138,7 +138,7 @@ def test_tick_labels_never_overlap_and_titles_fit_in_the_image(n):
         renderer = figure.canvas.get_renderer()
         labelled = 0
         for ax in figure.axes[:-1]:  # the last axes is the colour bar
-            for gid, axis in ((figures._ROW_GID, "y"), (figures._COL_GID, "x")):
+            for gid, axis in ((figure_layout.ROW_GID, "y"), (figure_layout.COL_GID, "x")):
                 if not ax.findobj(lambda a, gid=gid: a.get_gid() == gid):
                     continue  # an inner panel of a grid
                 drawn = words(ax, gid)
@@ -153,8 +153,9 @@ def test_tick_labels_never_overlap_and_titles_fit_in_the_image(n):
             if ax.get_title():
                 assert _inside(figure, ax.title.get_window_extent(renderer))
         assert labelled >= 2
-        (title,) = words(figure, figures._TITLE_GID).extents()
-        assert layer in words(figure, figures._TITLE_GID).texts[0] and _inside(figure, title)  # the layer is never cut
+        (title,) = words(figure, figure_layout.TITLE_GID).extents()
+        # the layer is never cut
+        assert layer in words(figure, figure_layout.TITLE_GID).texts[0] and _inside(figure, title)
 
 
 def test_given_vmax_fixes_the_colour_scale_and_the_cache_honours_it():
@@ -233,8 +234,8 @@ def test_every_cell_has_its_values_colour_row_zero_at_the_top_and_nan_blank(dive
     background = pixels[int(height - ax.transAxes.transform((0.5, 1.0))[1]) + 3, 3]  # the figure's white
     for i in range(rows):
         # Tick label i sits on row i: the query labels are in matrix order, top to bottom.
-        assert words(ax, figures._ROW_GID).texts[i] == labels_r[i]
-        label_box = words(ax, figures._ROW_GID).extents()[i]
+        assert words(ax, figure_layout.ROW_GID).texts[i] == labels_r[i]
+        label_box = words(ax, figure_layout.ROW_GID).extents()[i]
         assert label_box.y0 < ax.transData.transform((0, i + 0.5))[1] < label_box.y1
         for j in range(cols):
             x, y = ax.transData.transform((j + 0.5, i + 0.5))
@@ -262,14 +263,14 @@ def test_colour_bar_reads_its_scale_at_five_marks_its_label_beside_the_numbers(d
     canvas.draw()
     pixels = np.asarray(canvas.buffer_rgba())[..., :3]
     bar = figure.axes[-1]
-    numbers = words(bar, figures._BAR_GID)
+    numbers = words(bar, figure_layout.BAR_GID)
     low = -limit if diverging else 0.0
     if diverging:  # symmetric about 0
         assert numbers.texts[:2] == ["-" + t for t in numbers.texts[:2:-1]]
     assert [float(t) for t in numbers.texts] == pytest.approx(
         [low + (limit - low) * f for f in np.linspace(0, 1, 5)], rel=5e-3
     )
-    label = words(bar, figures._BAR_LABEL_GID)
+    label = words(bar, figure_layout.BAR_LABEL_GID)
     assert label.texts == ["attention mass P"]
     boxes = numbers.extents()
     (label_box,) = label.extents()

@@ -13,21 +13,23 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import QuadMesh
 from matplotlib.figure import Figure
 
+from attn_callbacks.output.figure_layout import (
+    BAR_GID,
+    BAR_LABEL_GID,
+    CELL_GID,
+    GRID_TITLE,
+    TICK_GID,
+    TITLE_GID,
+    title_sets_width,
+)
 from attn_callbacks.output.figures import (
-    _BAR_GID,
-    _BAR_LABEL_GID,
-    _CELL_GID,
-    _GRID_TITLE,
-    _TICK_GID,
-    _TITLE_GID,
-    _bar_labels,
-    _beside,
-    _cell_colours,
     abs_max,
+    bar_label_place,
+    bar_labels,
+    cell_colours,
     cell_text,
     head_grid,
     heatmap,
-    title_sets_width,
     value_grid,
 )
 from attn_callbacks.output.text_outlines import OutlinedTexts
@@ -125,8 +127,8 @@ class FigureCache:
     ) -> np.ndarray:
         """:func:`value_grid` of ``values`` as an ``(H, W, 4)`` uint8 array, as :meth:`heatmap`: the grids of every
         metric share one figure."""
-        # Titles up to _GRID_TITLE characters get the same room: every metric's grid shares one figure.
-        room = max(len(title), _GRID_TITLE)
+        # Titles up to GRID_TITLE characters get the same room: every metric's grid shares one figure.
+        room = max(len(title), GRID_TITLE)
         layout = ("values", values.shape, tuple(row_labels), tuple(col_labels), room, tuple(groups), axis_names)
         limit = abs_max(values) if vmax is None else vmax
         cells = [cell_text(float(value)) for value in values.ravel()]
@@ -158,17 +160,17 @@ class FigureCache:
                 self._entries[layout], self._bytes[layout] = kept, cost
         else:
             self._entries.move_to_end(layout)
-            numbers = _bar_labels(limit, diverging)
+            numbers = bar_labels(limit, diverging)
             for mesh, matrix in zip(kept.meshes, panels, strict=True):
                 mesh.set_array(matrix)
                 mesh.set_clim(-limit if diverging else 0.0, limit)
             kept.numbers.set_texts(numbers)
             kept.heading.set_texts([texts.title])
             kept.label.set_texts([texts.colorbar_label])
-            kept.label.set_offset_transform(_beside(kept.label.axes, numbers))
+            kept.label.set_offset_transform(bar_label_place(kept.label.axes, numbers))
             if kept.cells is not None:
                 kept.cells.set_texts(texts.cells)
-                kept.cells.set_facecolor(_cell_colours(kept.meshes[0], panels[0]))
+                kept.cells.set_facecolor(cell_colours(kept.meshes[0], panels[0]))
             kept.canvas.restore_region(kept.background)
         figure = kept.figure
         for mesh in kept.meshes:
@@ -208,8 +210,8 @@ class _Kept:
     def of(cls, figure: Figure) -> _Kept:
         """Draw ``figure`` without the parts that change, keep those pixels, and draw it whole."""
         words = {text.get_gid(): text for text in figure.findobj(OutlinedTexts)}
-        numbers, heading, label = words[_BAR_GID], words[_TITLE_GID], words[_BAR_LABEL_GID]
-        cells = words.get(_CELL_GID)
+        numbers, heading, label = words[BAR_GID], words[TITLE_GID], words[BAR_LABEL_GID]
+        cells = words.get(CELL_GID)
         meshes = [mesh for ax in figure.axes[:-1] for mesh in ax.collections if isinstance(mesh, QuadMesh)]
         overlays = [artist for mesh in meshes for artist in _overlays(mesh)]
         for artist in [*meshes, *overlays, numbers, heading, label, *([] if cells is None else [cells])]:
@@ -222,5 +224,5 @@ class _Kept:
 def _overlays(mesh: QuadMesh) -> list[Any]:
     """What a full draw puts over a panel's cells: its lines (a value grid's group lines) and spines, not its tick
     marks (outside the panel, part of the kept background)."""
-    lines = [line for line in mesh.axes.lines if line.get_gid() != _TICK_GID]
+    lines = [line for line in mesh.axes.lines if line.get_gid() != TICK_GID]
     return [*lines, *mesh.axes.spines.values()]

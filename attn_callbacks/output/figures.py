@@ -13,44 +13,28 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.markers import TICKDOWN, TICKLEFT, TICKRIGHT
 
+from attn_callbacks.output import figure_layout as layout
 from attn_callbacks.output.text_outlines import OutlinedTexts, outline
 
-__all__ = ["abs_max", "cell_text", "head_grid", "heatmap", "value_grid"]
+__all__ = [
+    "abs_max",
+    "bar_label_place",
+    "bar_labels",
+    "cell_colours",
+    "cell_text",
+    "head_grid",
+    "heatmap",
+    "value_grid",
+]
 
 
-# Fixed layout in inches, computed from the labels: matplotlib's constrained layout measures every tick label
-# several times and was most of the cost of an epoch's images.
-_CELL = 0.22  # inches per heatmap row or column
-_GRID_CELL = _CELL * 0.75  # ... in a grid of heads' panels
-_GRID_COLUMNS = 4  # panels a row of a head grid holds
-_MIN_CELLS = 8  # a heatmap panel is at least this many cells each way
-_GAP = 0.2  # inches between the panels of a grid
-_CHAR = 0.6 / 72  # inches per character per point of font size (a generous average glyph width)
-_TITLE = 0.45  # inches above an axes for its title
-_AXIS_LABEL = 0.3  # inches for "query token (attending)" / "key token (attended to)"
-_COLORBAR = 1.2  # inches right of the panels for the colour bar, its tick labels and its label
+# The colour bar's marks and the ticks' sizes (the figure's layout in inches is in figure_layout).
 _BAR_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the colour bar is marked, as fractions of its height
 _BAR_FONT = 8
 _BAR_PAD = 6  # points from the colour bar to its numbers, past its tick marks
 _TICK = 3.5  # points: a tick mark's length, and the gap between it and its label (matplotlib's defaults)
 _TICK_PAD = 3.5
 _LABEL_PAD = 4  # points between the tick labels and the axis name
-_BAR_GID = "colour bar number"  # marks the colour bar's numbers, which FigureCache redraws
-_BAR_LABEL_GID = "colour bar label"  # marks the colour bar's label, placed beside its numbers
-_CELL_GID = "cell value"  # marks the numbers printed in a value grid's cells
-_ROW_GID, _COL_GID = "row labels", "column labels"  # mark a heatmap's tick labels
-_TICK_GID = "tick marks"  # drawn once with the layout, unlike the axes' other lines
-_GRID_TITLE = 48  # characters of title a value grid always has room for
-_TITLE_GID = "figure title"  # marks the title (it names the layer), which FigureCache redraws
-
-
-def _font_size(rows: int, cols: int) -> int:
-    return 7 if max(rows, cols) <= 30 else 5
-
-
-def _label_inches(labels: Sequence[str], size: int) -> float:
-    """Room for tick labels of this font size: the longest label, plus the tick."""
-    return max((len(label) for label in labels), default=1) * size * _CHAR + 0.1
 
 
 def _cmap(diverging: bool) -> str:
@@ -90,7 +74,7 @@ def _draw(
         at = np.arange(len(cols)) + 0.5  # cell j spans [j, j + 1]
         under = transforms.blended_transform_factory(ax.transData, ax.transAxes)
         offsets = np.column_stack([at, np.zeros_like(at)])
-        labels = _labels(ax, cols, offsets, under, size, ("center", "top"), col_rotation, (0, -away), _COL_GID)
+        labels = _labels(ax, cols, offsets, under, size, ("center", "top"), col_rotation, (0, -away), layout.COL_GID)
         _marks(ax, at, np.zeros_like(at), under, TICKDOWN)
         ax.set_xlabel(axis_names[1], fontsize=8)
         below = away + _reach(labels, 1) + _LABEL_PAD
@@ -99,7 +83,7 @@ def _draw(
         at = np.arange(len(rows)) + 0.5
         left = transforms.blended_transform_factory(ax.transAxes, ax.transData)
         offsets = np.column_stack([np.zeros_like(at), at])
-        labels = _labels(ax, rows, offsets, left, size, ("right", "center"), 0, (-away, 0), _ROW_GID)
+        labels = _labels(ax, rows, offsets, left, size, ("right", "center"), 0, (-away, 0), layout.ROW_GID)
         _marks(ax, np.zeros_like(at), at, left, TICKLEFT)
         ax.set_ylabel(axis_names[0], fontsize=8)
         beside = away + _reach(labels, 0) + _LABEL_PAD
@@ -127,11 +111,11 @@ def _reach(words: OutlinedTexts, axis: int) -> float:
 def _marks(ax, x, y, where, marker: int) -> None:
     """Tick marks at ``(x, y)`` in ``where``'s coordinates, drawn as matplotlib draws its ticks."""
     line = Line2D(x, y, transform=where, linestyle="none", marker=marker, markersize=_TICK, markeredgewidth=0.8)
-    line.set(color="black", clip_on=False, gid=_TICK_GID)
+    line.set(color="black", clip_on=False, gid=layout.TICK_GID)
     ax.add_artist(line)  # not a data line: no autoscaling
 
 
-def _bar_labels(limit: float, diverging: bool) -> list[str]:
+def bar_labels(limit: float, diverging: bool) -> list[str]:
     """The numbers at :data:`_BAR_FRACTIONS` of a colour bar over ``[0, limit]`` (``[-limit, limit]``)."""
     # 2f - 1 and f are exact, so the diverging bar's numbers are symmetric about 0.
     return [f"{limit * (2 * fraction - 1 if diverging else fraction):.3g}" for fraction in _BAR_FRACTIONS]
@@ -163,20 +147,20 @@ def _colorbar(
     ax.set_yticks([])
     fractions = np.array(_BAR_FRACTIONS)
     _marks(ax, np.ones_like(fractions), fractions, ax.transAxes, TICKRIGHT)
-    numbers = _bar_labels(limit, diverging)
+    numbers = bar_labels(limit, diverging)
     offsets = np.column_stack([np.ones_like(fractions), fractions])
     bar_numbers = OutlinedTexts(
         numbers, offsets, ax.transAxes, size=_BAR_FONT, ha="left", shift=(_BAR_PAD, 0), dpi=figure.dpi
     )
     label_words = OutlinedTexts(
-        [label], [(1.0, 0.5)], _beside(ax, numbers), size=_BAR_FONT, ha="left", rotation=90, dpi=figure.dpi
+        [label], [(1.0, 0.5)], bar_label_place(ax, numbers), size=_BAR_FONT, ha="left", rotation=90, dpi=figure.dpi
     )
-    for words, gid in ((bar_numbers, _BAR_GID), (label_words, _BAR_LABEL_GID)):
+    for words, gid in ((bar_numbers, layout.BAR_GID), (label_words, layout.BAR_LABEL_GID)):
         words.set(gid=gid, clip_on=False)
         ax.add_collection(words, autolim=False)
 
 
-def _beside(bar, numbers: Sequence[str]) -> transforms.Transform:
+def bar_label_place(bar, numbers: Sequence[str]) -> transforms.Transform:
     """The colour bar label's place: right of the widest of its numbers (the figure leaves room for the widest
     number .3g writes, "-1.23e+100")."""
     widest = max(float(np.ptp(outline(number, _BAR_FONT, "left").vertices[:, 0])) for number in numbers)
@@ -188,12 +172,8 @@ def _title(ax, text: str) -> None:
     title = OutlinedTexts(
         [text], [(0.0, 1.0)], ax.transAxes, size=9, ha="left", va="baseline", shift=(0, 6), dpi=ax.figure.dpi
     )
-    title.set(gid=_TITLE_GID, clip_on=False)
+    title.set(gid=layout.TITLE_GID, clip_on=False)
     ax.add_collection(title, autolim=False)
-
-
-def _text_inches(text: str, size: int) -> float:
-    return len(text) * size * _CHAR
 
 
 def abs_max(matrix: np.ndarray) -> float:
@@ -201,87 +181,6 @@ def abs_max(matrix: np.ndarray) -> float:
     are drawn blank)."""
     finite = np.abs(matrix[np.isfinite(matrix)])
     return max(float(finite.max()) if finite.size else 0.0, 1e-12)
-
-
-def _grid_figure(
-    nrows: int,
-    ncols: int,
-    row_labels: Sequence[str],
-    col_labels: Sequence[str],
-    title_lines: int,
-    cell: float = _CELL,
-    title_inches: float = 0.0,
-    title_at_panel: bool = False,
-    cell_width: float | None = None,
-    min_cells: int = _MIN_CELLS,
-) -> tuple[Figure, list[list[tuple[float, float, float, float]]], tuple[float, float, float, float], int]:
-    """A figure sized for ``nrows × ncols`` heatmap panels, the panels' rectangles and the colour bar's (figure
-    fractions), and the tick font size. One row (column) of cells is at least as tall (wide) as a tick label's font,
-    so labels never overlap; the figure is at least as wide as its title, so the layer name is never cut. Cells are
-    ``cell`` inches high and ``cell_width`` (default ``cell``) wide, a panel at least ``min_cells`` each way."""
-    size = _font_size(len(row_labels), len(col_labels))
-    cell_w = cell if cell_width is None else cell_width
-    left, panel_w, panels_right, title_right = _widths(
-        ncols, row_labels, col_labels, cell_w, min_cells, title_inches, title_at_panel
-    )
-    panel_h = cell * max(len(row_labels), min_cells)
-    bottom = _label_inches(col_labels, size) + _AXIS_LABEL
-    gap_w, gap_h = _GAP, _TITLE
-    top = _TITLE * title_lines
-    width = max(panels_right + _COLORBAR, title_right)
-    height = bottom + nrows * panel_h + (nrows - 1) * gap_h + top
-    panels = [
-        [
-            (
-                (left + c * (panel_w + gap_w)) / width,
-                (bottom + (nrows - 1 - r) * (panel_h + gap_h)) / height,
-                panel_w / width,
-                panel_h / height,
-            )
-            for c in range(ncols)
-        ]
-        for r in range(nrows)
-    ]
-    panels_height = nrows * panel_h + (nrows - 1) * gap_h
-    colorbar = ((panels_right + 0.15) / width, bottom / height, 0.15 / width, panels_height / height)
-    return Figure(figsize=(width, height), dpi=100), panels, colorbar, size
-
-
-def _widths(
-    ncols: int,
-    row_labels: Sequence[str],
-    col_labels: Sequence[str],
-    cell_w: float,
-    min_cells: int,
-    title_inches: float,
-    title_at_panel: bool,
-) -> tuple[float, float, float, float]:
-    """Inches across a grid figure: the left margin (tick labels and axis name), a panel's width, and from the
-    figure's left edge to the panels' right edge and to the title's (which starts at the panel's left edge for one
-    heatmap, near the figure's for a grid's suptitle)."""
-    left = _label_inches(row_labels, _font_size(len(row_labels), len(col_labels))) + _AXIS_LABEL
-    panel_w = cell_w * max(len(col_labels), min_cells)
-    panels_right = left + ncols * panel_w + (ncols - 1) * _GAP
-    return left, panel_w, panels_right, title_inches + (left if title_at_panel else 0)
-
-
-def _heatmap_title(title: str) -> float:
-    return _text_inches(title, 9) + 0.2
-
-
-def _grid_title(title: str) -> float:
-    return _text_inches(title, 10) + 0.4
-
-
-def title_sets_width(title: str, row_labels: Sequence[str], col_labels: Sequence[str], heads: int = 0) -> bool:
-    """Whether a :func:`heatmap`'s (``heads`` 0) or :func:`head_grid`'s figure is as wide as its title needs rather
-    than as its panels and colour bar: only then does the title's length change the figure's layout."""
-    if heads:  # head_grid's panels and title
-        ncols, cell_w, title_inches, at_panel = min(heads, _GRID_COLUMNS), _GRID_CELL, _grid_title(title), False
-    else:  # heatmap's
-        ncols, cell_w, title_inches, at_panel = 1, _CELL, _heatmap_title(title), True
-    _, _, panels_right, title_right = _widths(ncols, row_labels, col_labels, cell_w, _MIN_CELLS, title_inches, at_panel)
-    return title_right > panels_right + _COLORBAR
 
 
 def heatmap(
@@ -305,8 +204,8 @@ def heatmap(
         vmax: top of the colour scale (symmetric limit when diverging); the data's maximum if None. NaN cells are
             drawn blank.
     """
-    figure, panels, colorbar, size = _grid_figure(
-        1, 1, row_labels, col_labels, 1, title_inches=_heatmap_title(title), title_at_panel=True
+    figure, panels, colorbar, size = layout.grid_figure(
+        1, 1, row_labels, col_labels, 1, title_inches=layout.heatmap_title(title), title_at_panel=True
     )
     limit = abs_max(matrix) if vmax is None else vmax
     ax = figure.add_axes(panels[0][0])
@@ -342,11 +241,11 @@ def head_grid(
     """
     heads = matrices.shape[0]
     titles = [f"head {h}" for h in range(heads)] if titles is None else list(titles)
-    ncols = min(heads, _GRID_COLUMNS)
+    ncols = min(heads, layout.GRID_COLUMNS)
     nrows = math.ceil(heads / ncols)
-    title_inches = _grid_title(title)
-    figure, panels, colorbar, size = _grid_figure(
-        nrows, ncols, row_labels, col_labels, 2, cell=_GRID_CELL, title_inches=title_inches
+    title_inches = layout.grid_title(title)
+    figure, panels, colorbar, size = layout.grid_figure(
+        nrows, ncols, row_labels, col_labels, 2, cell=layout.GRID_CELL, title_inches=title_inches
     )
     limit = abs_max(matrices) if vmax is None else vmax
     for h in range(heads):
@@ -358,7 +257,9 @@ def head_grid(
         ax.set_title(titles[h], fontsize=9)
     top = (0.02, 1 - 0.1 / figure.get_figheight())
     figure.add_artist(
-        OutlinedTexts([title], [top], figure.transFigure, size=10, ha="left", va="top", dpi=figure.dpi, gid=_TITLE_GID)
+        OutlinedTexts(
+            [title], [top], figure.transFigure, size=10, ha="left", va="top", dpi=figure.dpi, gid=layout.TITLE_GID
+        )
     )
     _colorbar(figure, colorbar, colorbar_label, limit, diverging)
     return figure
@@ -383,7 +284,7 @@ def cell_text(value: float) -> str:
     return f"{value:.0e}" if abs(value) >= 10_000 else f"{value:.1g}"
 
 
-def _cell_colours(mesh: QuadMesh, values: np.ndarray) -> list[str]:
+def cell_colours(mesh: QuadMesh, values: np.ndarray) -> list[str]:
     """Black on light cells, white on dark ones (by the cell colour's luma)."""
     rgb = mesh.cmap(mesh.norm(np.nan_to_num(values.ravel())))[:, :3]
     luma = rgb @ np.array([0.299, 0.587, 0.114])
@@ -413,16 +314,18 @@ def value_grid(
         groups: rows where a new group starts: a white line is drawn above each.
         axis_names: the (rows, columns) axis names.
     """
-    figure, panels, colorbar, size = _grid_figure(
+    figure, panels, colorbar, size = layout.grid_figure(
         1,
         1,
         row_labels,
         col_labels,
         1,
-        cell=_CELL * 1.1,
-        title_inches=_text_inches(title, 9) + 0.2 if len(title) > _GRID_TITLE else _text_inches("x" * _GRID_TITLE, 9),
+        cell=layout.CELL * 1.1,
+        title_inches=layout.text_inches(title, 9) + 0.2
+        if len(title) > layout.GRID_TITLE
+        else layout.text_inches("x" * layout.GRID_TITLE, 9),
         title_at_panel=True,
-        cell_width=_CELL * 2,
+        cell_width=layout.CELL * 2,
         min_cells=1,
     )
     limit = abs_max(values) if vmax is None else vmax
@@ -438,9 +341,9 @@ def value_grid(
         size=size,
         va="ink",  # a number's digits centred in its cell
         dpi=figure.dpi,
-        facecolors=_cell_colours(mesh, values),
+        facecolors=cell_colours(mesh, values),
         zorder=3,
-        gid=_CELL_GID,
+        gid=layout.CELL_GID,
     )
     ax.add_collection(numbers, autolim=False)
     _title(ax, title)
