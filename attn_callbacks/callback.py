@@ -107,6 +107,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._capture.attach()  # a no-op unless a new loader starts after a limit
         self._capture.start_watching()  # SDPA calls: this batch only, left in on_validation_batch_end
         self._monitored_batches += 1
+        self._calls_before = dict(self._capture.calls)
         # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
         ids = {stream: self._streams.read(stream, pl_module.device)[2] for stream in self._streams.used()}
         first = batch_idx == 0 and dataloader_idx == 0 and not (trainer.sanity_checking or trainer.testing)
@@ -117,6 +118,11 @@ class AttentionMonitor(MonitorOptions, Callback):
     def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:  # (trainer, pl_module, outputs, batch, ...)
         if self._capture is not None:
             self._capture.stop_watching()
+            # A hooked module's calls add into its one set of sums; an SDPA call after the first is summed apart.
+            for name, count in self._capture.calls.items():
+                if name in self._calls_before and name not in self._capture.watched:
+                    self._report.warnings.repeated(name, count - self._calls_before[name], self._streams.of[name])
+            self._calls_before = {}
         self._streams.end_batch()  # and with it, the probe's capture: a call outside a batch is refused
 
     @override

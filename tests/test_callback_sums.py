@@ -54,6 +54,34 @@ def test_callback_sums_equal_reference_from_manually_captured_weights(tmp_path):
     assert no_hooks(model)
 
 
+class RunsTwice(TinyEncoder):
+    """validation_step runs the model twice on the batch (once for the loss, once for the predictions, say)."""
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self(batch["input_ids"])
+        return super().validation_step(batch, batch_idx, dataloader_idx)
+
+
+def test_callback_a_module_run_twice_in_a_batch_adds_both_calls_and_is_warned_about(tmp_path):
+    """Both calls add into the module's one set of sums, each query token counted once per call, and the warning
+    names the module (an encoder run on a second input would be mapped to the wrong ids). One call: no warning."""
+    sums = {}
+    for model_class in (TinyEncoder, RunsTwice):
+        seed_everything(0)
+        monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(tmp_path / model_class.__name__, [monitor]).validate(model_class(), loaders()[1])
+        said = [str(w.message) for w in caught if "times in one validation batch" in str(w.message)]
+        sums[model_class] = monitor.last, said
+    (once, silent), (twice, said) = sums[TinyEncoder], sums[RunsTwice]
+    assert not silent and len(said) == 2  # once per module
+    assert "'encoder.layers.0.self_attn' ran 2 times in one validation batch; every call adds into its" in said[0]
+    for name, stats in twice.items():
+        assert torch.equal(stats.query_count, 2 * once[name].query_count)
+        torch.testing.assert_close(stats.attention_sum, 2 * once[name].attention_sum)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_callback_cross_attention_streams_for_nn_transformer(tmp_path, batch_first):
     seed_everything(0)

@@ -45,6 +45,20 @@ class Warnings:
             f"them (leave them out with `modules=`), or {cause}.",
         )
 
+    def repeated(self, name: str, calls: int, streams: tuple[str, str]) -> None:
+        """Hooked module ``name`` ran ``calls`` times in one batch: the calls add into its one set of sums."""
+        if calls > 1:
+            self.once(
+                f"repeated:{name}",
+                f"AttentionMonitor: attention module {name!r} ran {calls} times in one validation batch; every call "
+                f"adds into its one set of sums, read against its streams {streams}. That is right when each call "
+                "attends over those tokens (one module shared by several layers, the model run twice on the batch: "
+                "each query token then counts once per call); when a call attends over other tokens (the same "
+                "encoder run on a second input) its weights are mapped to the wrong ids: leave the module out with "
+                "`modules`, or run it as `scaled_dot_product_attention`, whose calls are summed apart and can be "
+                "given their own streams (`attention_streams`).",
+            )
+
     def nothing_seen(self, batches: int, some_module_ran: bool) -> None:
         """A monitored epoch has nothing to log, and why."""
         if not batches:
