@@ -221,8 +221,10 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
     for name in common:
         before, after = old.modules[name], new.modules[name]
         mass_old, mass_new = before.attention_mass.mean(dim=0), after.attention_mass.mean(dim=0)
-        counts = (after.query_count, before.query_count, args.top, args.min_support)
-        moved = moved_tokens(mass_new, None, *counts, row_divergence=drifts[name].rows)
+        # Tokens only, as in the callback's tables: a tracked stream's last index is <other>, the bucket.
+        tq, tk = (_tokens(new, stream, size) for stream, size in zip(new.streams[name], mass_new.shape, strict=True))
+        counts = (after.query_count[tq], before.query_count[tq], args.top, args.min_support)
+        moved = moved_tokens(mass_new[tq], None, *counts, row_divergence=drifts[name].rows[tq])
         print(file=out)
         print(f"{_display(name)}: query tokens whose attention moved most (JS in nats, NEW vs OLD)", file=out)
         if not moved:
@@ -235,14 +237,19 @@ def _compare(args: argparse.Namespace, out: TextIO) -> int:
                 f"{js:#.6g}",
                 str(int(before.query_count[a])),
                 str(int(after.query_count[a])),
-                _label(int(mass_old[a].argmax()), key_labels),
-                _label(int(mass_new[a].argmax()), key_labels),
+                _label(int(mass_old[a, tk].argmax()), key_labels),
+                _label(int(mass_new[a, tk].argmax()), key_labels),
             )
             for a, js in moved
         ]
         header = ("query token", "JS (nats)", "Q old", "Q new", "top key old", "top key new")
         _print_table(header, rows, out, numeric=(1, 2, 3), indent="  ")
     return 0
+
+
+def _tokens(record: EpochRecord, stream: str, size: int) -> slice:
+    """The indices of a stream's sums that are tokens: all but the last (``<other>``) where the stream is tracked."""
+    return slice(0, size - 1 if record.vocab_ids.get(stream) is not None else size)
 
 
 def _drift_cells(js: float, frobenius: float, shown: tuple[bool, bool]) -> tuple[str, str]:

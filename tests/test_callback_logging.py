@@ -187,3 +187,17 @@ def test_a_layer_of_nan_weights_logs_its_skipped_rows_and_warns(tmp_path, layers
     if layers == [1]:
         assert scalars["attention_skipped_rows/encoder.layers.0.self_attn"] == 0
         assert "attention_entropy/encoder.layers.0.self_attn" in scalars
+
+
+def test_callback_tables_show_whole_labels(tmp_path):
+    """Heatmap axes trim labels to 14 characters; a table cut there would show 'international…' for every token."""
+    labels = [f"internationalization_{i}" for i in range(VOCAB)]
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], id_to_token=labels, num_pairs=4)
+    t = trainer(tmp_path, [monitor])
+    t.validate(TinyEncoder(), loaders()[1])
+    events = EventAccumulator(t.logger.log_dir, size_guidance={TENSORS: 0})
+    events.Reload()
+    for table, columns in (("hubs", 1), ("lift_pairs", 2), ("one_way_pairs", 2)):
+        text = events.Tensors(f"attention_{table}/encoder.layers.0.self_attn/text_summary")[-1]
+        rows = table_cells(text.tensor_proto.string_val[0].decode())
+        assert rows and all(cell in labels for row in rows for cell in row[:columns]), table

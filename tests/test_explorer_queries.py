@@ -138,6 +138,11 @@ def test_a_cross_attention_token_is_looked_up_on_its_side_only(tmp_path):
     assert [e["id"] for e in as_query["attends_to"]] == [8, 3][:: 1 if planes[0, 0, 0] >= planes[0, 0, 1] else -1]
     assert as_key["token"] == {"id": 3, "label": "le", "count": None} and as_key["attends_to"] is None
     assert [e["p"] for e in as_key["attended_by"]] == sorted(planes[0, :, 1].astype(float).tolist(), reverse=True)
-    around = heatmap(epoch, None, 2, around=3, side="key")  # columns in frequency order, rows by attention to it
-    assert around["outline"] == {"row": None, "col": 1}
+    around = heatmap(epoch, None, 2, around=3, side="key")  # its column first, rows by attention to it
+    assert around["outline"] == {"row": None, "col": 0}
+    assert [c["id"] for c in around["cols"]] == [3, 8]
     assert [r["id"] for r in around["rows"]] == [[3, 5][i] for i in np.argsort(-planes[0, :, 1], kind="stable")]
+    # the rarest query token, in a heatmap of one row: its own row, its keys by its attention
+    around = heatmap(epoch, None, 1, around=5, side="query")
+    assert around["outline"] == {"row": 0, "col": None} and [r["id"] for r in around["rows"]] == [5]
+    assert [c["id"] for c in around["cols"]] == [[8, 3][int(np.argmax(planes[0, 1]))]]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from _callback_helpers import PAD, VOCAB, TinyEncoder, run_validate, trainer
+from _reference import naive_js
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
@@ -717,6 +718,45 @@ def test_main_compare_refuses_files_that_track_different_ids(tmp_path, capsys):
     )
     assert main(["compare", str(tmp_path / "same.pt"), new]) == 2  # untracked against tracked: index 0 is id 0 vs 40
     assert main(["compare", old, old, "--top", "0"]) == 0
+
+
+def test_main_compare_lists_tokens_only_never_the_other_bucket_of_a_tracked_stream(tmp_path, capsys):
+    """Index 5 is <other>: the most frequent query, the one that moves most, and every row's largest column. The
+    moved-tokens table ranks the five tokens by their JS (a float64 loop) and names their top key among tokens."""
+    vocab, heads = 6, 1
+    gen = torch.Generator().manual_seed(0)
+    labels = {"src": ["t40", "t7", "t1000", "t3", "t12", "<other>"]}
+    masses, counts = [], torch.tensor([3, 4, 5, 6, 7, 50])
+    for name in ("old.pt", "new.pt"):
+        mass = torch.rand(vocab, vocab, generator=gen, dtype=torch.float64)
+        mass[:, 5] += 10
+        mass[5] = torch.eye(vocab, dtype=torch.float64)[0 if name == "old.pt" else 5]  # <other> moves all the way
+        mass /= mass.sum(dim=1, keepdim=True)
+        masses.append(mass)
+        sums = (mass * counts[:, None])[None].float()
+        stats = AttentionStats(
+            sums, torch.ones(vocab, vocab), counts, torch.tensor(0), torch.ones(vocab, vocab), torch.zeros(6, heads)
+        )
+        save_epoch(
+            tmp_path / name,
+            {SELF: stats},
+            streams={SELF: ("src", "src")},
+            labels=labels,
+            epoch=0,
+            global_step=1,
+            vocab_ids={"src": [40, 7, 1000, 3, 12]},
+        )
+    assert (
+        main(["compare", str(tmp_path / "old.pt"), str(tmp_path / "new.pt"), "--top", "9", "--min-support", "1"]) == 0
+    )
+    table = capsys.readouterr().out.split("moved most (JS in nats, NEW vs OLD)\n")[1].splitlines()[1:]
+    rows = [line.split() for line in table if line.strip() and not line.lstrip().startswith("-")]
+    js = {a: naive_js(masses[1][a].tolist(), masses[0][a].tolist()) for a in range(5)}
+    ranked = sorted(range(5), key=lambda a: -js[a])
+    assert [row[0] for row in rows] == [labels["src"][a] for a in ranked]
+    assert [float(row[1]) for row in rows] == pytest.approx([js[a] for a in ranked], rel=1e-4)
+    for row, a in zip(rows, ranked, strict=True):  # the top key among tokens, never the bucket
+        assert row[4:] == [labels["src"][int(masses[i][a, :5].argmax())] for i in (0, 1)]
 
 
 def test_main_compare_warns_when_one_file_has_no_labels(tmp_path, capsys):

@@ -264,6 +264,15 @@ def test_markdown_table_escapes_pipes():
     assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 0.123 |"]
 
 
+def test_markdown_table_prints_small_numbers_with_significant_digits_and_labels_whole():
+    values = [0.0, 0.5, 12.3456, -0.25, 0.01, 0.000119, 1.13e-05, -0.004567, float("nan")]
+    long_label = "internationalization_" + "x" * 40 + "\udcff"  # a byte decoded with surrogateescape
+    cells = table_cells(markdown_table(["token", "value"], [(long_label, value) for value in values]))
+    expected = ["0.000", "0.500", "12.346", "-0.250", "0.010", "0.000119", "1.13e-05", "-0.00457", "nan"]
+    assert [row[1] for row in cells] == expected
+    assert [row[0] for row in cells] == [long_label.replace("\udcff", "\\xff")] * len(values)  # whole, drawable
+
+
 def test_markdown_table_cells_render_in_tensorboard_as_written():
     from tensorboard import plugin_util
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from attn_callbacks.base.config import Tokenizer, TokenLabels, TokenLookup, short_repr
 
-__all__ = ["MAX_LABEL", "OTHER_LABEL", "label_tokens"]
+__all__ = ["MAX_LABEL", "OTHER_LABEL", "drawable", "label_tokens"]
 
 #: Label of the bucket that all untracked ids of a stream fold into (see ``max_tracked_tokens``).
 OTHER_LABEL = "<other>"
@@ -46,12 +46,12 @@ def label_tokens(ids: Sequence[int], id_to_token: TokenLabels = None, max_length
         text = str(token) if found is None else str(found)
         text = text.replace("\n", "\\n") or repr(text)
         if max_length is not None:  # shown: a lone surrogate (bytes decoded with surrogateescape) cannot be drawn
-            text = _drawable(text)
+            text = drawable(text)
         labels.append(text if max_length is None or len(text) <= max_length else text[: max_length - 1] + "…")
     return labels
 
 
-def _drawable(text: str) -> str:
+def drawable(text: str) -> str:
     """``text`` with each lone surrogate written as an escape: ``\\xff`` for a byte that ``surrogateescape`` decoded,
     ``\\ud800`` for another; text that has none is returned as it is."""
     try:

@@ -105,7 +105,7 @@ def write_epoch(
         module: the attention module's name in the model.
         streams: its ``(query_stream, key_stream)``.
         epoch: the trainer's ``current_epoch``.
-        step: the step the epoch's scalars are logged at.
+        step: the step the epoch's images and tables are logged at (``trainer.global_step``).
         planes: float32 ``(heads + 3, n_q, n_k)``: mean ``P``, each head's ``P``, ``C``, ``U``.
         query_ids: the rows' vocabulary ids, ``n_q`` of them.
         key_ids: the columns' vocabulary ids, ``n_k`` of them.

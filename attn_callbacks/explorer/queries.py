@@ -98,8 +98,8 @@ def heatmap(
 ) -> dict[str, Any]:
     """``P``, lift and pair count over ``size`` rows and columns: the most frequent tokens, or the neighbourhood of
     token ``around`` (it first, then the query tokens that attend to it most as rows, the key tokens it attends to
-    most as columns; the most frequent tokens on an axis where it is not stored). ``side`` as in
-    :func:`token_view`.
+    most as columns; where it is stored on one axis only, as in cross-attention, it first on that axis, then the
+    most frequent, and the other axis as above). ``side`` as in :func:`token_view`.
 
     Returns:
         ``{"rows": [{"id", "label"}], "cols": [...], "p": [[...]], "lift": [[...]], "count": [[...]], "outline":
@@ -120,6 +120,10 @@ def heatmap(
             ranked = np.argsort(-np.asarray(mass[:, col], dtype=np.float64), kind="stable")
             rows = ([row] if row is not None else []) + [int(i) for i in ranked if i != row]
             rows = rows[: min(size, n_q)]
+        if row is not None and col is None:
+            rows = ([row] + [i for i in rows if i != row])[: min(size, n_q)]
+        if col is not None and row is None:
+            cols = ([col] + [j for j in cols if j != col])[: min(size, n_k)]
     grid = np.ix_(rows, cols)
     p, pairs, uniform = np.asarray(mass[grid]), np.asarray(epoch.pair_count[grid]), np.asarray(epoch.uniform_sum[grid])
     counts = epoch.query_count[rows].astype(np.float64)[:, None]

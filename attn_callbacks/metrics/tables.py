@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attn_callbacks.base.labels import drawable
 from attn_callbacks.base.tensor_ops import safe_divide
 from attn_callbacks.metrics.drift import Snapshot, moved_tokens
 from attn_callbacks.metrics.summary import Drift, lift
@@ -232,14 +233,27 @@ def _read(items: Sequence[Any], device: torch.device, *gathers: Callable[..., Te
 _MARKDOWN_INLINE = re.compile(r"[\\`*_\[\]|]")
 
 
+def _number(value: float) -> str:
+    return f"{value:.3f}" if value == 0 or not math.isfinite(value) or abs(value) >= 0.01 else f"{value:.3g}"
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table (TensorBoard's text plugin renders it). Cells show as written: ``&``, ``<`` and ``>`` become
     entities and the characters of inline Markdown (``\\ ` * _ [ ] |``) are escaped, so that a token such as
     ``__init__``, ``*args*`` or ``<s>`` is not rendered as emphasis, a link or an HTML tag. Spaces at a cell's ends
-    (which Markdown trims) become no-break spaces, so that ``" the"`` and ``"the"`` stay apart."""
+    (which Markdown trims) become no-break spaces, so that ``" the"`` and ``"the"`` stay apart. Floats get 3 decimals,
+    or 3 significant digits below 0.01 (a table ranked by a small JS would read 0.000 all down).
+
+    Example:
+        >>> print(markdown_table(["token", "JS"], [("the", 0.5), ("a", 0.000119)]))
+        | token | JS |
+        |---|---|
+        | the | 0.500 |
+        | a | 0.000119 |
+    """
 
     def cell(value: object) -> str:
-        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        text = _number(value) if isinstance(value, float) else drawable(str(value))  # UTF-8 holds no lone surrogate
         # A line break would end the row: shown as its escape, as labels show "\n"; a tab too (Markdown trims it).
         text = text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
         text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -56,7 +56,7 @@ def explorer_view(
         module: the module's name.
         streams: its ``(query_stream, key_stream)``.
         epoch: the trainer's ``current_epoch``.
-        step: the step its scalars are logged at.
+        step: the step its images and tables are logged at (``trainer.global_step``).
         stats: the module's epoch statistics (``attention_mass`` computed).
         mass: ``mean_h P``, ``(Vq, Vk)``.
         per_head: whether the heads' planes are written.

@@ -3,6 +3,7 @@ images and tables, handed to the writers."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,7 +295,7 @@ class Reporter:
     def _tables(self, out: ModuleView) -> None:
         query_stream, key_stream = out.streams
         square = query_stream == key_stream
-        label = self.streams.label
+        label = functools.partial(self.streams.label, max_length=None)  # whole: a cut label could read as another
         key = (out.name, out.prefix, out.suffix)
         tables, self._ranks[key] = module_tables(
             out.stats,
