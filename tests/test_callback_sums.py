@@ -82,6 +82,28 @@ def test_callback_a_module_run_twice_in_a_batch_adds_both_calls_and_is_warned_ab
         torch.testing.assert_close(stats.attention_sum, 2 * once[name].attention_sum)
 
 
+class MasksInPlace(TinyEncoder):
+    """validation_step masks every third token of the batch in place (MLM style), then runs the model."""
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        batch["input_ids"][:, ::3] = 1
+        return super().validation_step(batch, batch_idx, dataloader_idx)
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_callback_counts_the_ids_of_the_batch_start_when_validation_step_edits_them_in_place(tmp_path, tracked):
+    """Every stream, tracked or not, of any dtype, is read as it was when the batch started."""
+    expected = torch.zeros(VOCAB, dtype=torch.int64)
+    for batch in make_batches(seed=1):  # the validation batches, counted before validation_step edits them
+        ids = batch["input_ids"]
+        expected += torch.bincount(ids[ids != PAD], minlength=VOCAB)
+    kwargs = {"tracked_ids": list(range(VOCAB))} if tracked else {}
+    monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD], **kwargs)
+    trainer(tmp_path, [monitor]).validate(MasksInPlace(), loaders()[1])
+    for stats in monitor.last.values():
+        assert torch.equal(stats.query_count[:VOCAB], expected)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_callback_cross_attention_streams_for_nn_transformer(tmp_path, batch_first):
     seed_everything(0)

@@ -207,6 +207,8 @@ class Streams:
         if stream not in self._ids:
             as_read = read_stream(self.batch, stream, self.getters[stream], self.batch_first).to(device)
             ids = as_int64(as_read)  # uint8 ids of a 256-byte vocabulary: 154 >= 256 would be compared as 154 >= 0
+            if ids is as_read:  # the batch's own memory: a validation_step editing it in place would change the pairs
+                ids = ids.clone()
             valid = self.valid(ids)
             if self.validate_args:
                 check_ids_in_range(as_read, valid, self.vocab[stream], stream)
