@@ -42,7 +42,9 @@ class MonitorOptions:
         modules: fnmatch patterns over ``named_modules()`` names selecting the attention modules; all when None.
         attention_streams: fnmatch pattern -> ``(query_stream, key_stream)``, first match wins. Needed only when
             there are several streams and the modules are neither stock ``nn.Transformer`` layers nor a Hugging Face
-            encoder-decoder's, fed by streams named ``src`` and ``tgt``.
+            encoder-decoder's, fed by streams named ``src`` and ``tgt``; or with one stream for a decoder's attention
+            (``nn.TransformerDecoderLayer``, an encoder-decoder's decoder), which reads target tokens: a
+            decoder-only model built from such layers says ``{"*": (stream, stream)}``.
         ignore_ids: token ids excluded as queries and as keys (padding, say); they may lie outside the vocabulary.
         batch_first: layout of the token id tensors in the batch: ``(B, L)`` when True, ``(L, B)`` when False.
         top_k: how many of the most frequent query and key tokens the heatmaps show.

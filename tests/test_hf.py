@@ -523,3 +523,16 @@ def test_hf_seq2seq_batch_with_labels_only_says_how_to_give_decoder_input_ids(tm
     )
     with pytest.raises(KeyError, match="DataCollatorForSeq2Seq.*prepare_decoder_input_ids_from_labels"):
         trainer.validate(Generating(generative("bart", "sdpa")), DataLoader(batches, batch_size=None), verbose=False)
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_hf_seq2seq_with_one_token_stream_is_refused_naming_a_decoder_module(tmp_path, kind):
+    """Its decoder reads decoder_input_ids: with one stream (input_ids) its weights would be mapped to the source ids
+    whenever both are padded to one length."""
+    batches = generative_batches(kind)
+    for batch in batches:  # the same length as the source: nothing else would tell
+        batch["decoder_input_ids"] = batch["input_ids"].flip(-1)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    trainer = Trainer(default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=[monitor], logger=False)
+    with pytest.raises(MisconfigurationException, match=r"'model\..*decoder.*' is a decoder's self-attention"):
+        trainer.validate(Generating(generative(kind, "eager")), DataLoader(batches, batch_size=None), verbose=False)

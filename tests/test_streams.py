@@ -37,7 +37,17 @@ def test_resolve_streams_stock_transformer_rules_and_patterns():
     assert custom["decoder.layers.0.multihead_attn"] == ("out", "src")
     assert custom["decoder.layers.0.self_attn"] == ("out", "out")
     assert custom["encoder.layers.0.self_attn"] == ("src", "src")
-    assert set(resolve_streams(names, model, ["only"]).values()) == {("only", "only")}
+    # One stream: a decoder's attention reads target tokens, which one stream rarely holds; said, it is used.
+    with pytest.raises(
+        ValueError, match=r"'decoder.layers.0.self_attn' is a decoder's self-attention: its queries are"
+    ):
+        resolve_streams(names, model, ["only"])
+    with pytest.raises(
+        ValueError, match=r"decoder's cross-attention \(target → source\).*\{'\*': \('only', 'only'\)\}"
+    ):
+        resolve_streams(["decoder.layers.0.multihead_attn"], model, ["only"])
+    assert set(resolve_streams(names, model, ["only"], {"*": ("only",) * 2}).values()) == {("only", "only")}
+    assert resolve_streams(names[:1], model, ["only"]) == {"encoder.layers.0.self_attn": ("only", "only")}
     with pytest.raises(ValueError, match="No token stream for attention module 'decoder.layers.0.self_attn'"):
         resolve_streams(names, model, ["src", "x"])
 

@@ -36,14 +36,16 @@ def resolve_streams(
 ) -> dict[str, tuple[str, str]]:
     """Which (query stream, key stream) feeds each attention module.
 
-    Rules, in order: the first fnmatch pattern of ``attention_streams`` matching the module name; with a single
-    stream, that stream for queries and keys; with streams named ``src`` and ``tgt`` (as in ``nn.Transformer.forward``),
-    for stock ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` attention and the attention modules of
-    Hugging Face encoder-decoder models (T5, BART, Marian...): encoder self-attention src→src, decoder self-attention
-    tgt→tgt, decoder cross-attention tgt→src.
+    Rules, in order: the first fnmatch pattern of ``attention_streams`` matching the module name; for stock
+    ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` attention and the attention modules of Hugging
+    Face encoder-decoder models (T5, BART, Marian...), the streams named ``src`` and ``tgt`` (as in
+    ``nn.Transformer.forward``): encoder self-attention src→src, decoder self-attention tgt→tgt, decoder
+    cross-attention tgt→src; with a single stream, that stream for queries and keys, except for a decoder's attention
+    (above), which reads target tokens that one stream rarely holds.
 
     Raises:
-        ValueError: a module no rule covers, or a rule naming an unknown stream; the message names both.
+        ValueError: a module no rule covers, a decoder's attention with a single stream and no rule, or a rule naming
+            an unknown stream; the message names the module and the streams.
     """
     rules = dict(attention_streams or {})
     for pattern, pair in rules.items():  # their shape is checked with the other arguments (check_attention_streams)
@@ -58,10 +60,11 @@ def resolve_streams(
     resolved: dict[str, tuple[str, str]] = {}
     for name in modules:
         pair = first_rule(name, rules)
-        if pair is None and len(streams) == 1:
-            pair = (streams[0], streams[0])
         if pair is None:
-            pair = _stock_role(name, named) or seq2seq.get(name)
+            role = _stock_role(name, named) or seq2seq.get(name)
+            if len(streams) == 1 and role is not None and "tgt" in role:
+                raise ValueError(_one_stream_message(name, role, streams[0]))
+            pair = (streams[0], streams[0]) if len(streams) == 1 else role
             if pair is not None and not set(pair) <= set(streams):
                 pair = None
         if pair is None:
@@ -71,6 +74,17 @@ def resolve_streams(
             )
         resolved[name] = pair  # type: ignore[assignment]
     return resolved
+
+
+def _one_stream_message(name: str, role: tuple[str, str], stream: str) -> str:
+    kind = "self-attention" if role == ("tgt", "tgt") else "cross-attention (target → source)"
+    return (
+        f"Attention module {name!r} is a decoder's {kind}: its queries are target tokens, but `token_ids` names one "
+        f"stream, {stream!r}, whose ids its weights would be mapped to. Name both streams, as `forward` takes them: "
+        f"token_ids={{'src': <source ids' key>, 'tgt': <target ids' key>}}; or, if the decoder reads {stream!r} "
+        f"itself (a decoder-only model built from nn.TransformerDecoderLayer), say so: "
+        f"attention_streams={{'*': ({stream!r}, {stream!r})}}; or leave the module out with `modules`"
+    )
 
 
 def first_rule(name: str, rules: Mapping[str, Any]) -> tuple[str, str] | None:
