@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 from torch import nn
+from torch.nn.functional import scaled_dot_product_attention as sdpa_alias
 from torch.utils.data import DataLoader
 
 from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules
@@ -225,6 +226,63 @@ def test_sdpa_modules_are_found_by_their_code_named_by_the_innermost_watched_mod
         ("blocks.1.attn.call1", slice(0, 1)),
     ]
     assert capture.calls == {"blocks.0.attn": 2, "blocks.1.attn": 2}
+
+
+def causal_attention(q, k, v):
+    """A helper of the model's file, as many codebases have one."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class OneHead(nn.Module):
+    """Causal self-attention of one head; subclasses make the SDPA call in other ways (the base names none)."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)[:, None].chunk(3, dim=-1)  # (B, 1, L, E) each
+        return self.attend(q, k, v)[:, 0]
+
+
+class ByAlias(OneHead):
+    def attend(self, q, k, v):
+        return sdpa_alias(q, k, v, is_causal=True)
+
+
+class ByHelper(OneHead):
+    def attend(self, q, k, v):
+        return causal_attention(q, k, v)
+
+
+def by_closure():
+    call = F.scaled_dot_product_attention
+
+    class ByClosure(OneHead):
+        def attend(self, q, k, v):
+            return call(q, k, v, is_causal=True)
+
+    return ByClosure()
+
+
+class ByHand(OneHead):
+    def attend(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def test_sdpa_called_under_another_name_or_through_a_helper_is_found_and_read():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"alias": ByAlias(), "helper": ByHelper(), "closure": by_closure(), "hand": ByHand()})
+    assert [calls_sdpa(module) for module in model.values()] == [True, True, True, False]
+    assert list(find_attention_modules(model)) == ["alias", "helper", "closure"]
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad(), capture_attention(model) as weights:
+        for module in model.values():
+            module(x)
+    for name in ("alias", "helper", "closure"):
+        q, k, _ = model[name].qkv(x)[:, None].chunk(3, dim=-1)
+        (got,) = weights[name]
+        torch.testing.assert_close(got.double(), naive_weights(q.detach(), k.detach(), causal=True))
 
 
 def test_watch_hands_large_calls_on_a_few_samples_at_a_time():

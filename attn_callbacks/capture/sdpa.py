@@ -105,8 +105,10 @@ def sdpa_weights(
 
 def calls_sdpa(module: nn.Module) -> bool:
     """Whether the code of ``module``'s class (its methods and its bases' below ``nn.Module``) or a function stored on
-    the module names ``scaled_dot_product_attention``: static detection, read from the code, no call made."""
-    return _names_in(module, SDPA_NAME)
+    the module names ``scaled_dot_product_attention``, also under another name (``from torch.nn.functional import
+    scaled_dot_product_attention as sdpa``) or through a helper function of the same file: static detection, read
+    from the code, no call made."""
+    return _names_in(module, SDPA_NAME, depth=2)
 
 
 def unreadable_attention(module: nn.Module) -> str | None:
@@ -114,22 +116,23 @@ def unreadable_attention(module: nn.Module) -> str | None:
     names while it never names ``scaled_dot_product_attention``, or None."""
     if calls_sdpa(module):
         return None
-    return next((name for name in _UNREADABLE if _names_in(module, name)), None)
+    # Not through helpers: library code names them in branches never taken (transformers' loading checks).
+    return next((name for name in _UNREADABLE if _names_in(module, name, depth=1)), None)
 
 
-def _names_in(module: nn.Module, name: str) -> bool:
-    if name in _class_names(type(module)):
+def _names_in(module: nn.Module, name: str, depth: int) -> bool:
+    if name in _class_names(type(module), depth):
         return True
-    # a function kept on the instance (torchtune's attention call)
-    return any(name in _code_names(value) for value in vars(module).values())
+    # a function kept on the instance (torchtune's attention call), or the function itself
+    return any(name in _code_names(value, depth) or _name_of(value) == name for value in vars(module).values())
 
 
 @functools.cache
-def _class_names(cls: type) -> frozenset[str]:
+def _class_names(cls: type, depth: int) -> frozenset[str]:
     """The names the code of a module class and its bases below ``nn.Module`` refers to (once per class)."""
     return frozenset().union(
         *(
-            _code_names(value)
+            _code_names(value, depth)
             for base in cls.__mro__
             if base not in (nn.Module, object) and issubclass(base, nn.Module)
             for value in vars(base).values()
@@ -137,8 +140,11 @@ def _class_names(cls: type) -> frozenset[str]:
     )
 
 
-def _code_names(function: Any) -> frozenset[str]:
-    """Every global, attribute and enclosing-scope name the code of a function (nested functions included) refers to."""
+def _code_names(function: Any, depth: int = 0) -> frozenset[str]:
+    """Every global, attribute and enclosing-scope name the code of a function (nested functions included) refers to;
+    with ``depth`` ≥ 1, for a name that is a function (a global, or a variable of the enclosing scope), its own name
+    too (an alias: ``from torch.nn.functional import scaled_dot_product_attention as sdpa``), and with ``depth`` ≥ 2
+    the names the code of such a function of the same file refers to (a helper that calls it), ``depth - 1`` deep."""
     function = getattr(function, "__func__", function)  # classmethod / staticmethod / bound method
     function = getattr(function, "func", function)  # functools.partial
     code = getattr(function, "__code__", None)
@@ -150,7 +156,31 @@ def _code_names(function: Any) -> frozenset[str]:
         code = stack.pop()
         names.update(code.co_names + code.co_freevars)
         stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    if depth:
+        # What the names stand for: the variables of the enclosing scope, else the function's globals.
+        cells = zip(function.__code__.co_freevars, function.__closure__ or (), strict=True)
+        enclosing = {free: cell.cell_contents for free, cell in cells if _full(cell)}
+        scope = getattr(function, "__globals__", {})
+        values = (enclosing[name] if name in enclosing else scope.get(name) for name in names)
+        functions = (value for value in values if callable(value) and not isinstance(value, type))
+        for value in {id(value): value for value in functions if value is not function}.values():
+            names.update(filter(None, [_name_of(value)]))
+            if depth > 1 and getattr(value, "__module__", None) == function.__module__:
+                names |= _code_names(value, depth - 1)
     return frozenset(names)
+
+
+def _name_of(value: Any) -> str | None:
+    name = getattr(value, "__name__", None)
+    return name if isinstance(name, str) else None
+
+
+def _full(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018  (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 # Consumer of weights: (module name, call index in the batch, module, weights (b, H, Lq, Lk), rows of the call's
