@@ -64,6 +64,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._check_prefixes(trainer)
         self._sums.check_budget(self._shapes(), loaders=1)  # fails before training; again with the real loaders
         self._report.drawing.start(trainer, self.draw_in_background)  # its start-up overlaps the sanity pass
+        self._census_due = True
 
     @override
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -108,6 +109,8 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._capture.start_watching()  # SDPA calls: this batch only, left in on_validation_batch_end
         self._monitored_batches += 1
         self._calls_before = dict(self._capture.calls)
+        if self._census_due:  # once per setup: attention that no module found makes, called in this batch
+            self._capture.start_census(pl_module)
         # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
         ids = {stream: self._streams.read(stream, pl_module.device)[2] for stream in self._streams.used()}
         first = batch_idx == 0 and dataloader_idx == 0 and not (trainer.sanity_checking or trainer.testing)
@@ -123,6 +126,9 @@ class AttentionMonitor(MonitorOptions, Callback):
                 if name in self._calls_before and name not in self._capture.watched:
                     self._report.warnings.repeated(name, count - self._calls_before[name], self._streams.of[name])
             self._calls_before = {}
+            if self._census_due and self._active:
+                self._census_due = False
+                self._report.warnings.unseen_sdpa(self._capture.stop_census())
         self._streams.end_batch()  # and with it, the probe's capture: a call outside a batch is refused
 
     @override

@@ -250,6 +250,7 @@ class MonitorOptions:
         self._active = False  # this evaluation epoch is monitored (the hooks may be off for the batches past a limit)
         self._monitored_batches = 0  # batches of this epoch run with the hooks attached
         self._calls_before: dict[str, int] = {}  # each module's calls before this monitored batch
+        self._census_due = False  # look for SDPA calls outside the modules found in the next monitored batch
 
     def _check_prefixes(self, trainer: Any) -> None:
         """Refuse two monitors of one Trainer that would write the same tags (a test epoch's are ``{prefix}_test``)."""

@@ -285,6 +285,47 @@ def test_sdpa_called_under_another_name_or_through_a_helper_is_found_and_read():
         torch.testing.assert_close(got.double(), naive_weights(q.detach(), k.detach(), causal=True))
 
 
+class Hidden(OneHead):
+    """Calls the function by a name its code does not hold: no static look can find it."""
+
+    def attend(self, q, k, v):
+        return getattr(F, "_".join(["scaled", "dot", "product", "attention"]))(q, k, v)
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gpt, self.hidden = TinyGPT(), Hidden(16)
+
+    def forward(self, ids):
+        return self.hidden(self.gpt.emb(ids))
+
+
+def test_sdpa_called_where_no_module_was_found_is_warned_about_naming_the_module(tmp_path):
+    """One batch after setup is looked at: the hidden call is named; the found modules' calls, selected or not, are
+    theirs; the look leaves torch's mode stack as it found it."""
+    model = Mixed()
+
+    def validate(**kwargs):
+        monitor = AttentionMonitor(12, "ids", **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lit = Lit(model)
+            lit.validation_step = lambda batch, batch_idx: (model.gpt(batch["ids"]), model(batch["ids"]))
+            Trainer(default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=[monitor], logger=False).validate(
+                lit, DataLoader(gpt_batches(), batch_size=None), verbose=False
+            )
+        assert torch._C._len_torch_function_stack() == 0
+        return [str(w.message) for w in caught if "setup found no attention module there" in str(w.message)]
+
+    said = validate(modules=["model.gpt.blocks.0.attn"])  # model.gpt.blocks.1.attn: found, not selected
+    assert len(said) == 1 and said[0].startswith(
+        "AttentionMonitor: 'model.hidden' (Hidden) called scaled_dot_product_attention in a monitored batch"
+    )
+    model.hidden = ByHelper(16)  # found: nothing to say
+    assert validate() == []
+
+
 def test_watch_hands_large_calls_on_a_few_samples_at_a_time():
     model = TinyGPT()
     chunks = []

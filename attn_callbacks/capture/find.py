@@ -80,12 +80,7 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     """
     named = named_modules(model)
     hf_modules = output_indices(model)
-    found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
-    inside = tuple(f"{name}." for name in found)  # their inner modules' calls are theirs
-    for name, module in named.items():
-        if name and name not in found and not name.startswith(inside) and _calls_attention(module):
-            found[name] = module
-    found = {name: found[name] for name in named if name in found}  # model order
+    found = attention_candidates(model)
     if not found:
         raise ValueError(
             "No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
@@ -99,6 +94,18 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
         elif not isinstance(module, nn.MultiheadAttention) and (function := unreadable_attention(module)):
             raise ValueError(unreadable_message(name, module, function))
     return found
+
+
+def attention_candidates(model: nn.Module) -> dict[str, nn.Module]:
+    """The attention modules :func:`find_attention_modules` finds with no pattern, in model order, none refused yet."""
+    named = named_modules(model)
+    hf_modules = output_indices(model)
+    found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
+    inside = tuple(f"{name}." for name in found)  # their inner modules' calls are theirs
+    for name, module in named.items():
+        if name and name not in found and not name.startswith(inside) and _calls_attention(module):
+            found[name] = module
+    return {name: found[name] for name in named if name in found}
 
 
 def _calls_attention(module: nn.Module) -> bool:

@@ -26,8 +26,14 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from attn_callbacks.capture import hf
-from attn_callbacks.capture.find import find_attention_modules, output_indices, reads_output
-from attn_callbacks.capture.sdpa import SdpaWatch
+from attn_callbacks.capture.find import (
+    attention_candidates,
+    find_attention_modules,
+    named_modules,
+    output_indices,
+    reads_output,
+)
+from attn_callbacks.capture.sdpa import SdpaCensus, SdpaWatch
 from attn_callbacks.capture.switches import EagerCompile, FastpathOff, GlobalSwitch
 
 __all__ = ["AttentionCapture", "capture_attention"]
@@ -82,6 +88,7 @@ class AttentionCapture:
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
         self._dropout_warned: set[str] = set()  # modules named in the SDPA watch's dropout warning
         self._entered: SdpaWatch | None = None  # the watch on torch's mode stack, while a watched forward runs
+        self._census: SdpaCensus | None = None  # the look for SDPA calls outside the modules found, while on
         self._depth = 0  # watched forwards running inside each other, while one entered the watch
         self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # calls per module, until reset_calls()
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
@@ -95,6 +102,7 @@ class AttentionCapture:
             "_held": [],
             "_watch": None,
             "_entered": None,
+            "_census": None,
             "_depth": 0,
             "_requested": defaultdict(list),
         }
@@ -143,6 +151,7 @@ class AttentionCapture:
     def detach(self) -> None:
         """Stop watching, remove every hook and restore the fast-path flag. Safe to call any number of times."""
         self.stop_watching()
+        self.stop_census()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -166,6 +175,23 @@ class AttentionCapture:
     def stop_watching(self) -> None:
         """Stop seeing SDPA calls (a forward already running keeps the watch until it returns)."""
         self._watch = None
+
+    def start_census(self, model: nn.Module) -> None:
+        """Look, until :meth:`stop_census`, for ``scaled_dot_product_attention`` calls made outside every attention
+        module found in ``model`` (selected or not): attention the hooks and the watch cannot see. Every torch call
+        then passes through a ``TorchFunctionMode`` (for one batch: that is its cost)."""
+        if self._census is None:
+            names = {id(module): name for name, module in named_modules(model).items()}
+            self._census = SdpaCensus(names, attention_candidates(model).values())
+            self._census.__enter__()
+
+    def stop_census(self) -> dict[str, str]:
+        """Leave the census; the modules that called the function unseen, name -> class name."""
+        census, self._census = self._census, None
+        if census is None:
+            return {}
+        census.__exit__(None, None, None)
+        return census.unseen
 
     def _enter_watch(self, module: nn.Module, args: tuple) -> None:
         if self._depth == 0:

@@ -29,7 +29,7 @@ import math
 import sys
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from torch.nn import functional as F
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CHUNK_BYTES", "SdpaWatch", "calls_sdpa", "sdpa_weights", "unreadable_attention"]
+__all__ = ["CHUNK_BYTES", "SdpaCensus", "SdpaWatch", "calls_sdpa", "sdpa_weights", "unreadable_attention"]
 
 #: The function's name in code, as static detection looks for it.
 SDPA_NAME = "scaled_dot_product_attention"
@@ -287,6 +287,40 @@ class SdpaWatch(TorchFunctionMode):
                     bool(call.get("enable_gqa", False)),
                 )
                 self.consumer(name, index, module, weights, rows, batch)
+
+
+class SdpaCensus(TorchFunctionMode):
+    """Sees every ``scaled_dot_product_attention`` call while entered (the monitor enters it around one batch) and
+    keeps the modules that made one outside every attention module found: attention no hook or watch reads.
+
+    Args:
+        names: id of each module of the model -> its name.
+        found: the attention modules found (selected or not): calls inside them are theirs.
+    """
+
+    def __init__(self, names: Mapping[int, str], found: Iterable[nn.Module]) -> None:
+        super().__init__()
+        self.names = names
+        self.found = {id(module) for module in found}
+        self.unseen: dict[str, str] = {}  # module name -> its class's name
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        if func is not F.scaled_dot_product_attention or torch.compiler.is_compiling():
+            return output
+        frame, innermost = sys._getframe(1), None
+        while frame is not None:  # the innermost module of the model with a method on the stack, unless one is found
+            code = frame.f_code
+            if code.co_argcount and code.co_varnames[0] == "self":
+                owner = frame.f_locals.get("self")
+                if id(owner) in self.found:
+                    return output
+                if innermost is None and id(owner) in self.names:
+                    innermost = owner
+            frame = frame.f_back
+        if innermost is not None:
+            self.unseen.setdefault(self.names[id(innermost)], type(innermost).__name__)
+        return output
 
 
 def _rows_of(mask: Tensor | None, rows: slice, batch: int) -> Tensor | None:

@@ -59,6 +59,21 @@ class Warnings:
                 "given their own streams (`attention_streams`).",
             )
 
+    def unseen_sdpa(self, unseen: dict[str, str]) -> None:
+        """Modules ``unseen`` (name -> class name) called ``scaled_dot_product_attention`` outside every attention
+        module found: that attention is not summed."""
+        if unseen:
+            named = ", ".join(
+                f"{name!r} ({cls})" if name else f"the LightningModule ({cls})" for name, cls in unseen.items()
+            )
+            self.once(
+                "unseen_sdpa",
+                f"AttentionMonitor: {named} called scaled_dot_product_attention in a monitored batch, but setup found "
+                "no attention module there, so that attention is not read or summed. The monitor finds a module "
+                "whose own code (or a helper function in its file) calls the function; call it from the attention "
+                "module's forward so that it is found.",
+            )
+
     def nothing_seen(self, batches: int, some_module_ran: bool) -> None:
         """A monitored epoch has nothing to log, and why."""
         if not batches:
