@@ -430,6 +430,16 @@ def test_watch_is_left_on_every_exit_path():
     capture.start_watching()
     capture.detach()  # detaching leaves the watch too
     assert not torch.overrides._get_current_function_mode_stack()
+    # Ctrl+C inside a watched forward: its always_call hook catches Exception only, so detaching leaves the watch
+    capture = AttentionCapture(find_attention_modules(model), lambda *call: None)
+    handle = model.blocks[0].attn.proj.register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt), capture, capture.watching():
+        model(torch.zeros(1, 3, dtype=torch.long))
+    handle.remove()
+    assert not torch.overrides._get_current_function_mode_stack()
+    with torch.no_grad(), capture_attention(model) as weights:  # and the next capture sees every call again
+        model(torch.zeros(1, 3, dtype=torch.long))
+    assert {name: len(calls) for name, calls in weights.items()} == {"blocks.0.attn": 1, "blocks.1.attn": 1}
 
 
 def test_flex_attention_is_refused_naming_the_module():

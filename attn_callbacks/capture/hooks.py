@@ -151,6 +151,11 @@ class AttentionCapture:
     def detach(self) -> None:
         """Stop watching, remove every hook and restore the fast-path flag. Safe to call any number of times."""
         self.stop_watching()
+        # A watched forward interrupted by a BaseException (Ctrl+C) never ran its always_call hook, which catches
+        # Exception only: its watch would stay on torch's mode stack, seeing every later call.
+        entered, self._entered, self._depth = self._entered, None, 0
+        if entered is not None:
+            _leave(entered)
         self.stop_census()
         for handle in self._handles:
             handle.remove()
@@ -190,7 +195,7 @@ class AttentionCapture:
         census, self._census = self._census, None
         if census is None:
             return {}
-        census.__exit__(None, None, None)
+        _leave(census)
         return census.unseen
 
     def _enter_watch(self, module: nn.Module, args: tuple) -> None:
@@ -263,6 +268,14 @@ class AttentionCapture:
             self.consumer(name, module, weights, slice(0, weights.size(0)), weights.size(0))
 
         return hook
+
+
+def _leave(mode: torch.overrides.TorchFunctionMode) -> None:
+    """Take ``mode`` off torch's mode stack, where it is on top; a mode entered above it and left there (by an
+    interrupted ``with``) stays, and so does this one, rather than taking the wrong one off."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)
 
 
 def _never_traced(hook: Callable) -> Callable:
