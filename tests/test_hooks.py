@@ -156,6 +156,28 @@ def test_copy_of_an_attached_capture_is_detached_and_fastpath_count_never_goes_w
     assert torch.backends.mha.get_fastpath_enabled() == fastpath
 
 
+def test_a_copy_of_a_model_made_while_hooked_runs_as_the_model_did_and_pickles():
+    """A keep-best callback deep-copying the model mid-epoch, or torch.save of it: the copy changes nothing in its
+    outputs and never calls into the capture; the original is read as before, and left without hooks."""
+    import copy
+    import io
+
+    model = encoder(nested=False)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        plain = model(x)
+    calls, capture = count_calls(model)
+    with capture, torch.no_grad():
+        duplicate = copy.deepcopy(model)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        for other in (duplicate, torch.load(io.BytesIO(saved.getvalue()), weights_only=False)):
+            torch.testing.assert_close(other(x), plain)  # the fast path (off while hooked) rounds otherwise
+        assert calls == {}  # neither copy called the consumer
+        model(x)
+    assert sorted(calls) == ["layers.0.self_attn", "layers.1.self_attn"] and no_hooks_left(model)
+
+
 def no_hooks_left(model):
     return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 

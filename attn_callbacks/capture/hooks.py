@@ -128,21 +128,19 @@ class AttentionCapture:
                 self._held.append(setting)
             for name, module in self.modules.items():
                 if isinstance(module, nn.MultiheadAttention):
-                    pre_hook = _never_traced(self._pre_hook(name))
+                    pre_hook = _Hook(self._pre_hook(name))
                     self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
                     # Prepended: forward hooks then run in the reverse order of their pre-hooks, so with two captures
                     # attached (two monitors on one Trainer) the later one reads the weights before the earlier one,
                     # which saw the caller's own request, hands back what the caller asked for; and hooks the user
                     # registered before see the output they would see without us.
-                    hook = _never_traced(self._hook(name, module))
+                    hook = _Hook(self._hook(name, module))
                     self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
                 elif name not in self.watched:
-                    self._handles.append(module.register_forward_hook(_never_traced(self._read_hook(name))))
+                    self._handles.append(module.register_forward_hook(_Hook(self._read_hook(name))))
                 else:  # the watch is entered around the forward only, and left however the forward ends
-                    self._handles.append(module.register_forward_pre_hook(_never_traced(self._enter_watch)))
-                    self._handles.append(
-                        module.register_forward_hook(_never_traced(self._leave_watch), always_call=True)
-                    )
+                    self._handles.append(module.register_forward_pre_hook(_Hook(self._enter_watch)))
+                    self._handles.append(module.register_forward_hook(_Hook(self._leave_watch), always_call=True))
         except BaseException:
             self.detach()
             raise
@@ -278,10 +276,27 @@ def _leave(mode: torch.overrides.TorchFunctionMode) -> None:
         mode.__exit__(None, None, None)
 
 
-def _never_traced(hook: Callable) -> Callable:
-    """A hook dynamo calls but never traces: where a compiled graph runs the hooks after all (compiled while they
-    were attached), the monitor's code is a graph break at the hook, not graphs of its own."""
-    return torch.compiler.disable(hook, recursive=True)
+class _Hook:
+    """A hook of the capture's on a user's module. Dynamo calls it but never traces it: where a compiled graph runs
+    the hooks after all (compiled while they were attached), the monitor's code is a graph break at the hook, not
+    graphs of its own. A copy of the module (``copy.deepcopy``, pickle, ``torch.save``) made while it is attached holds
+    an :class:`_Inert` hook instead: the copy must not call into this capture, and a closure cannot be pickled."""
+
+    def __init__(self, hook: Callable) -> None:
+        self.hook = torch.compiler.disable(hook, recursive=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return _Inert, ()
+
+
+class _Inert:
+    """What a copied module holds in place of a capture's hook: a hook that changes nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 @contextmanager
