@@ -168,13 +168,13 @@ def test_callback_images_are_the_events_add_image_writes_other_writers_get_add_i
     assert np.array_equal(written, image)  # RGB: the alpha channel left out
 
 
-def test_callback_images_written_by_a_worker_thread_whose_errors_reach_the_caller(tmp_path, monkeypatch):
+def test_callback_images_encoded_by_a_worker_thread_whose_errors_reach_the_caller(tmp_path, monkeypatch):
     import threading
 
     import attn_callbacks.output.writer as callback_module
 
     written_by = []
-    original = callback_module.add_image
+    original = callback_module.png_bytes
 
     def spy(*args):
         written_by.append(threading.current_thread().name)
@@ -183,7 +183,7 @@ def test_callback_images_written_by_a_worker_thread_whose_errors_reach_the_calle
     def workers():
         return [t for t in threading.enumerate() if t.name.startswith("attn_callbacks-images")]
 
-    monkeypatch.setattr(callback_module, "add_image", spy)
+    monkeypatch.setattr(callback_module, "png_bytes", spy)
     model = TinyEncoder()
     logger = TensorBoardLogger(tmp_path, name="tb")
     # Drawn in this process (the GPU default draws in a background process, whose writes the spy cannot see).
@@ -191,16 +191,16 @@ def test_callback_images_written_by_a_worker_thread_whose_errors_reach_the_calle
     trainer(tmp_path, [monitor], logger=logger).validate(model, loaders()[1])
     events = EventAccumulator(logger.log_dir, size_guidance={IMAGES: 0})
     events.Reload()
-    # Every picture was written, each by the worker, and the worker is gone once the epoch end returns.
+    # Every picture was encoded, each by the worker (and written once the epoch end succeeded); the worker is gone.
     assert len(written_by) == len(events.Tags()["images"]) > 0
     assert all(name.startswith("attn_callbacks-images") for name in written_by)
     assert workers() == []
 
     def broken(*args):
-        raise RuntimeError("writing failed")
+        raise RuntimeError("encoding failed")
 
-    monkeypatch.setattr(callback_module, "add_image", broken)
-    with pytest.raises(RuntimeError, match="writing failed"):
+    monkeypatch.setattr(callback_module, "png_bytes", broken)
+    with pytest.raises(RuntimeError, match="encoding failed"):
         trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", draw_in_background=False)]).validate(
             model, loaders()[1]
         )

@@ -144,3 +144,34 @@ def test_callback_empty_validation_set_and_all_padding_epoch_log_nothing(tmp_pat
     with pytest.warns(UserWarning, match="no valid query token was seen in this epoch"):
         t.validate(TinyEncoder(), DataLoader(padding, batch_size=None), verbose=False)
     assert not any(k.startswith("attention") for k in t.callback_metrics)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_callback_a_failed_epoch_end_logs_nothing_of_it(tmp_path, monkeypatch, error):
+    """The second module's pictures fail, after every table, the Attention tab's data and the first module's pictures
+    were made: none of them reaches the run (nor do its scalars), as for an epoch that never ended."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from attn_callbacks.output.report import Reporter
+
+    drawn, draw = [], Reporter._draw
+
+    def fails_second(self, out):
+        if drawn:
+            raise error("drawing failed")
+        drawn.append(out.name)
+        draw(self, out)
+
+    monkeypatch.setattr(Reporter, "_draw", fails_second)
+    fitted = trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], num_pairs=3)])
+    handler = signal.getsignal(signal.SIGINT)
+    try:  # Ctrl+C: Lightning's graceful shutdown
+        with pytest.raises(SystemExit if error is KeyboardInterrupt else error):
+            fitted.validate(TinyEncoder(), loaders()[1], verbose=False)
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl+C from then on
+    assert drawn == ["encoder.layers.0.self_attn"]
+    events = EventAccumulator(fitted.logger.log_dir)
+    events.Reload()
+    assert {kind: tags for kind, tags in events.Tags().items() if tags and kind != "meta_graph"} == {}
+    assert not list(tmp_path.rglob("epoch=*"))  # no Attention tab files

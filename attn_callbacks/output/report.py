@@ -203,7 +203,7 @@ class Reporter:
         if layouts.get(prefix) != layout:
             layouts[prefix] = layout
             merged = {category: charts for part in layouts.values() for category, charts in part.items()}
-            self.background.submit(lambda: add_layout(writer, merged, step))
+            self.background.later(lambda: add_layout(writer, merged, step))
 
     def module(
         self,
@@ -316,7 +316,7 @@ class Reporter:
             self.background.text(out.writer, f"{out.prefix}_{kind}/{out.layer}{out.suffix}", table, out.step)
 
     def _explore(self, out: ModuleView, epoch: int) -> None:
-        """Hand the explorer's cut of this view (a copy, made here) to the writer thread."""
+        """Hand the explorer's cut of this view (a copy, made here) to the writer, written if the epoch end succeeds."""
         run_dir, view = _run_dir(out.writer), f"{out.prefix}/{out.layer}{out.suffix}"
         if not view_fits(view):
             self.warnings.explorer_name(view)
@@ -331,7 +331,7 @@ class Reporter:
             tokens=self.streams,
         )
         if run_dir is not None and data is not None:
-            self.background.submit(lambda: write_epoch(run_dir, **data))
+            self.background.later(lambda: write_epoch(run_dir, **data))
 
     def _probe_maps(self, name: str, layer: str, streams: tuple[str, str], prefix: str) -> dict[str, Any]:
         weights, ids = self.probe.weights.get(name), self.probe.ids

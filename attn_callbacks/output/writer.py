@@ -42,22 +42,38 @@ MAX_PENDING = 4
 
 
 class BackgroundWriter:
-    """During an epoch end only: one worker thread that PNG-encodes and writes the images (and writes the texts, so
-    that one thread uses the writer) while the caller computes the next statistics and draws the next images.
-    Drawing stays with the caller: matplotlib holds the GIL, which would stall its many small tensor ops."""
+    """During an epoch end only: one worker thread that PNG-encodes the images while the caller computes the next
+    statistics and draws the next images (drawing stays with the caller: matplotlib holds the GIL, which would stall
+    its many small tensor ops); and the writes of the epoch (images, texts, the Attention tab's files), held until
+    the epoch end succeeds, so that a failed or interrupted one leaves nothing behind."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: list[Future] = []
+        self._writes: list[Callable[[], Any]] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_pool": None, "_jobs": []}  # the thread lives only during an epoch end
+        return {"_pool": None, "_jobs": [], "_writes": []}  # the thread lives only during an epoch end
 
     def image(self, writer: Any, tag: str, image: np.ndarray, step: int) -> None:
-        self.submit(lambda: add_image(writer, tag, image, step))
+        """:func:`add_image` of ``image``: encoded now on the worker thread, written when the epoch end succeeds."""
+
+        def encode() -> None:
+            if _event_file(writer) is None:  # a writer that encodes for itself
+                self.later(lambda: add_image(writer, tag, image, step))
+            else:
+                png = png_bytes(image)
+                self.later(lambda: add_png(writer, tag, png, image.shape[:2], step))
+
+        self.submit(encode)
 
     def text(self, writer: Any, tag: str, text: str, step: int) -> None:
-        self.submit(lambda: writer.add_text(tag, text, step))
+        self.later(lambda: writer.add_text(tag, text, step))
+
+    def later(self, write: Callable[[], Any]) -> None:
+        """Run ``write`` when the epoch end succeeds (:meth:`finish`), after the writes held before it; never if it
+        fails."""
+        self._writes.append(write)  # from the caller or the worker thread: list.append is atomic
 
     def submit(self, job: Callable[[], Any]) -> None:
         """Run ``job`` on the worker thread, after those before it. At most ``MAX_PENDING`` jobs wait: pictures are
@@ -70,22 +86,25 @@ class BackgroundWriter:
         self._jobs.append(self._pool.submit(job))
 
     def finish(self, raise_errors: bool = True) -> None:
-        """Wait for every job of this epoch end and stop the worker; re-raise the first job's error. When
-        ``raise_errors`` is False (the epoch end already failed), or when the wait itself is interrupted (Ctrl+C),
-        jobs not yet started are dropped and their errors too; the worker is stopped either way."""
+        """Wait for every job of this epoch end and stop the worker; re-raise the first job's error, else make the
+        held writes. When ``raise_errors`` is False (the epoch end already failed), or when the wait itself is
+        interrupted (Ctrl+C), jobs not yet started, their errors and every held write are dropped; the worker is
+        stopped either way."""
         pool, jobs = self._pool, self._jobs
-        if pool is None:
-            return
         try:
-            pool.shutdown(wait=True, cancel_futures=not raise_errors)
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)  # waits for the job in progress only
-            raise
+            if pool is not None:
+                try:
+                    pool.shutdown(wait=True, cancel_futures=not raise_errors)
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)  # waits for the job in progress only
+                    raise
+            if raise_errors:
+                for job in jobs:
+                    job.result()
+                for write in self._writes:
+                    write()
         finally:
-            self._pool, self._jobs = None, []
-        if raise_errors:
-            for job in jobs:
-                job.result()
+            self._pool, self._jobs, self._writes = None, [], []
 
 
 def log_layer(pl_module: LightningModule, scalars: dict[str, Tensor]) -> None:
