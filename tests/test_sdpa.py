@@ -306,24 +306,23 @@ def test_sdpa_called_where_no_module_was_found_is_warned_about_naming_the_module
     theirs; the look leaves torch's mode stack as it found it."""
     model = Mixed()
 
-    def validate(**kwargs):
-        monitor = AttentionMonitor(12, "ids", **kwargs)
+    def validate(*monitors):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             lit = Lit(model)
             lit.validation_step = lambda batch, batch_idx: (model.gpt(batch["ids"]), model(batch["ids"]))
-            Trainer(default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=[monitor], logger=False).validate(
-                lit, DataLoader(gpt_batches(), batch_size=None), verbose=False
-            )
+            fit = Trainer(default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=list(monitors), logger=False)
+            fit.validate(lit, DataLoader(gpt_batches(), batch_size=None), verbose=False)
         assert torch._C._len_torch_function_stack() == 0
         return [str(w.message) for w in caught if "setup found no attention module there" in str(w.message)]
 
-    said = validate(modules=["model.gpt.blocks.0.attn"])  # model.gpt.blocks.1.attn: found, not selected
+    said = validate(AttentionMonitor(12, "ids", modules=["model.gpt.blocks.0.attn"]))  # blocks.1: found, not kept
     assert len(said) == 1 and said[0].startswith(
         "AttentionMonitor: 'model.hidden' (Hidden) called scaled_dot_product_attention in a monitored batch"
     )
+    assert len(validate(AttentionMonitor(12, "ids", prefix="a"), AttentionMonitor(12, "ids", prefix="b"))) == 1
     model.hidden = ByHelper(16)  # found: nothing to say
-    assert validate() == []
+    assert validate(AttentionMonitor(12, "ids")) == []
 
 
 def test_watch_hands_large_calls_on_a_few_samples_at_a_time():

@@ -183,17 +183,20 @@ class AttentionCapture:
         """Look, until :meth:`stop_census`, for ``scaled_dot_product_attention`` calls made outside every attention
         module found in ``model`` (selected or not): attention the hooks and the watch cannot see. Every torch call
         then passes through a ``TorchFunctionMode`` (for one batch: that is its cost)."""
-        if self._census is None:
+        # One at a time in the process: a second monitor's would be left above the first's at the batch's end.
+        if self._census is None and SdpaCensus.running is None:
             names = {id(module): name for name, module in named_modules(model).items()}
-            self._census = SdpaCensus(names, attention_candidates(model).values())
+            self._census = SdpaCensus.running = SdpaCensus(names, attention_candidates(model).values())
             self._census.__enter__()
 
     def stop_census(self) -> dict[str, str]:
-        """Leave the census; the modules that called the function unseen, name -> class name."""
-        census, self._census = self._census, None
+        """Leave the census; the modules that called the function unseen, name -> class name. A census under
+        another mode (one entered since and still on) stays until a later call (:meth:`detach`) finds it on top."""
+        census = self._census
         if census is None:
             return {}
-        _leave(census)
+        if _leave(census):
+            self._census = SdpaCensus.running = None
         return census.unseen
 
     def _enter_watch(self, module: nn.Module, args: tuple) -> None:
@@ -268,12 +271,14 @@ class AttentionCapture:
         return hook
 
 
-def _leave(mode: torch.overrides.TorchFunctionMode) -> None:
-    """Take ``mode`` off torch's mode stack, where it is on top; a mode entered above it and left there (by an
-    interrupted ``with``) stays, and so does this one, rather than taking the wrong one off."""
+def _leave(mode: torch.overrides.TorchFunctionMode) -> bool:
+    """Take ``mode`` off torch's mode stack, where it is on top, and say whether it is off; under a mode entered after
+    it and still on, it stays, rather than taking the wrong one off."""
     stack = torch.overrides._get_current_function_mode_stack()
     if stack and stack[-1] is mode:
         mode.__exit__(None, None, None)
+        return True
+    return mode not in stack
 
 
 class _Hook:

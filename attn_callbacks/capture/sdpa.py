@@ -298,6 +298,8 @@ class SdpaCensus(TorchFunctionMode):
         found: the attention modules found (selected or not): calls inside them are theirs.
     """
 
+    running: SdpaCensus | None = None  # the census on torch's mode stack in this process, if one is
+
     def __init__(self, names: Mapping[int, str], found: Iterable[nn.Module]) -> None:
         super().__init__()
         self.names = names
