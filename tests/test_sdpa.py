@@ -8,6 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numba
 import pytest
 import torch
 import torch.nn.functional as F
@@ -267,13 +268,37 @@ def by_closure():
 
 class ByHand(OneHead):
     def attend(self, q, k, v):
-        return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+        return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v * scale_of(1.0)
+
+
+@numba.njit
+def scale_of(x):  # a numba helper of the model's file: a __code__, but no closure, and nothing to read in it
+    return x
+
+
+class Opaque:
+    """A global whose attributes raise: detection must look past it."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no {name} here")
+
+    def __call__(self, x):
+        return x
+
+
+opaque = Opaque()
+
+
+class ByHandOpaque(ByHand):
+    def attend(self, q, k, v):
+        return opaque(super().attend(q, k, v))
 
 
 def test_sdpa_called_under_another_name_or_through_a_helper_is_found_and_read():
     torch.manual_seed(0)
     model = nn.ModuleDict({"alias": ByAlias(), "helper": ByHelper(), "closure": by_closure(), "hand": ByHand()})
     assert [calls_sdpa(module) for module in model.values()] == [True, True, True, False]
+    assert not calls_sdpa(ByHandOpaque())
     assert list(find_attention_modules(model)) == ["alias", "helper", "closure"]
     x = torch.randn(2, 4, 8)
     with torch.no_grad(), capture_attention(model) as weights:

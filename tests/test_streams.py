@@ -48,6 +48,10 @@ def test_resolve_streams_stock_transformer_rules_and_patterns():
         resolve_streams(["decoder.layers.0.multihead_attn"], model, ["only"])
     assert set(resolve_streams(names, model, ["only"], {"*": ("only",) * 2}).values()) == {("only", "only")}
     assert resolve_streams(names[:1], model, ["only"]) == {"encoder.layers.0.self_attn": ("only", "only")}
+    # one stream named as the decoder's: its self-attention reads it; its cross-attention reads src, not given
+    assert resolve_streams(names[1:2], model, ["tgt"]) == {"decoder.layers.0.self_attn": ("tgt", "tgt")}
+    with pytest.raises(ValueError, match="'decoder.layers.0.multihead_attn' is a decoder's cross-attention"):
+        resolve_streams(names[2:], model, ["tgt"])
     with pytest.raises(ValueError, match="No token stream for attention module 'decoder.layers.0.self_attn'"):
         resolve_streams(names, model, ["src", "x"])
 

@@ -153,25 +153,29 @@ def _code_names(function: Any, depth: int = 0) -> frozenset[str]:
     names: set[str] = set()
     stack = [code]
     while stack:
-        code = stack.pop()
-        names.update(code.co_names + code.co_freevars)
-        stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+        inner = stack.pop()
+        names.update(inner.co_names + inner.co_freevars)
+        stack.extend(const for const in inner.co_consts if isinstance(const, types.CodeType))
     if depth:
         # What the names stand for: the variables of the enclosing scope, else the function's globals.
-        cells = zip(function.__code__.co_freevars, function.__closure__ or (), strict=True)
+        cells = zip(code.co_freevars, getattr(function, "__closure__", None) or (), strict=False)
         enclosing = {free: cell.cell_contents for free, cell in cells if _full(cell)}
         scope = getattr(function, "__globals__", {})
         values = (enclosing[name] if name in enclosing else scope.get(name) for name in names)
         functions = (value for value in values if callable(value) and not isinstance(value, type))
         for value in {id(value): value for value in functions if value is not function}.values():
             names.update(filter(None, [_name_of(value)]))
-            if depth > 1 and getattr(value, "__module__", None) == function.__module__:
+            # Plain Python functions only: a numba dispatcher, say, has a __code__ but no closure.
+            if depth > 1 and inspect.isfunction(value) and value.__module__ == getattr(function, "__module__", None):
                 names |= _code_names(value, depth - 1)
     return frozenset(names)
 
 
 def _name_of(value: Any) -> str | None:
-    name = getattr(value, "__name__", None)
+    try:  # an object of the user's whose attributes are computed may raise anything
+        name = getattr(value, "__name__", None)
+    except Exception:
+        return None
     return name if isinstance(name, str) else None
 
 

@@ -62,7 +62,8 @@ def resolve_streams(
         pair = first_rule(name, rules)
         if pair is None:
             role = _stock_role(name, named) or seq2seq.get(name)
-            if len(streams) == 1 and role is not None and "tgt" in role:
+            # A decoder's attention reads target tokens: not the one stream, unless that is the stream it reads.
+            if len(streams) == 1 and role is not None and "tgt" in role and not set(role) <= set(streams):
                 raise ValueError(_one_stream_message(name, role, streams[0]))
             pair = (streams[0], streams[0]) if len(streams) == 1 else role
             if pair is not None and not set(pair) <= set(streams):
