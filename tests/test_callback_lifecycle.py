@@ -146,31 +146,35 @@ def test_callback_empty_validation_set_and_all_padding_epoch_log_nothing(tmp_pat
     assert not any(k.startswith("attention") for k in t.callback_metrics)
 
 
-@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_callback_a_failed_epoch_end_logs_nothing_of_it(tmp_path, monkeypatch, error):
+@pytest.mark.parametrize(
+    ("error", "where"), [(RuntimeError, "_draw"), (KeyboardInterrupt, "_draw"), (RuntimeError, "_dashboard")]
+)
+@pytest.mark.parametrize("sanity", [False, True])
+def test_callback_a_failed_epoch_end_logs_nothing_of_it(tmp_path, monkeypatch, error, where, sanity):
     """The second module's pictures fail, after every table, the Attention tab's data and the first module's pictures
-    were made: none of them reaches the run (nor do its scalars), as for an epoch that never ended."""
+    were made (or the head grids, after every module's): none of them reaches the run, nor do its scalars (per head
+    too; a monitored sanity pass's go straight to the loggers), as for an epoch that never ended."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from attn_callbacks.output.report import Reporter
 
-    drawn, draw = [], Reporter._draw
+    made, original = [], getattr(Reporter, where)
 
-    def fails_second(self, out):
-        if drawn:
+    def fails(self, *args):
+        if made or where == "_dashboard":
             raise error("drawing failed")
-        drawn.append(out.name)
-        draw(self, out)
+        made.append(args)
+        original(self, *args)
 
-    monkeypatch.setattr(Reporter, "_draw", fails_second)
-    fitted = trainer(tmp_path, [AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], num_pairs=3)])
+    monkeypatch.setattr(Reporter, where, fails)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], num_pairs=3, log_sanity_check=sanity)
+    fitted = trainer(tmp_path, [monitor], num_sanity_val_steps=2 if sanity else 0)
     handler = signal.getsignal(signal.SIGINT)
     try:  # Ctrl+C: Lightning's graceful shutdown
         with pytest.raises(SystemExit if error is KeyboardInterrupt else error):
-            fitted.validate(TinyEncoder(), loaders()[1], verbose=False)
+            fitted.fit(TinyEncoder(), *loaders()) if sanity else fitted.validate(TinyEncoder(), loaders()[1])
     finally:
         signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl+C from then on
-    assert drawn == ["encoder.layers.0.self_attn"]
     events = EventAccumulator(fitted.logger.log_dir)
     events.Reload()
     assert {kind: tags for kind, tags in events.Tags().items() if tags and kind != "meta_graph"} == {}

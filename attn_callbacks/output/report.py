@@ -139,7 +139,7 @@ class Reporter:
                         self._explore(out, trainer.current_epoch)
                 for out in made_of:
                     self._draw(out)
-                log_heads(trainer, heads)
+                self.background.later(lambda: log_heads(trainer, heads))  # as the layer scalars: if all succeeds
                 if writer is not None:
                     self._dashboard(writer, grids, logged, prefix, trainer.global_step)
                 finished = True
@@ -201,9 +201,14 @@ class Reporter:
         layouts = _LAYOUTS.setdefault(run, {})
         layout = scalars_layout(prefix, seen, self.per_head)
         if layouts.get(prefix) != layout:
-            layouts[prefix] = layout
-            merged = {category: charts for part in layouts.values() for category, charts in part.items()}
-            self.background.later(lambda: add_layout(writer, merged, step))
+
+            def write() -> None:  # the process's record of the run's layout changes with the write, if it is made
+                layouts[prefix] = layout
+                add_layout(
+                    writer, {category: charts for part in layouts.values() for category, charts in part.items()}, step
+                )
+
+            self.background.later(write)
 
     def module(
         self,
@@ -228,7 +233,8 @@ class Reporter:
         if int(stats.query_count.sum()) == 0:  # nothing summed by this module (or this dataloader)
             skipped = int(stats.skipped_rows)
             if skipped:  # every row it saw was dropped: say so, rather than vanish
-                log_layer(pl_module, {layer_tag(prefix, "skipped_rows", layer) + suffix: stats.skipped_rows.float()})
+                skipped_tag = layer_tag(prefix, "skipped_rows", layer) + suffix
+                log_layer(pl_module, {skipped_tag: stats.skipped_rows.float()}, self.background.later)
                 self.warnings.all_skipped(name, skipped)
             return None
         square = streams[0] == streams[1]
@@ -251,7 +257,8 @@ class Reporter:
         mass = summary.mean_mass
         if derived is not None:
             derived[name] = {"row_plogp": summary.plogp_heads, "mean_mass": mass}  # drift memory moves them to the CPU
-        log_layer(pl_module, {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()})
+        scalars = {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()}
+        log_layer(pl_module, scalars, self.background.later)
         self.warnings.health(name, summary.heads.get("position/entropy_normalized"), int(stats.skipped_rows))
         if writer is not None:
             views.append(

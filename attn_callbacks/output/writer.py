@@ -107,16 +107,21 @@ class BackgroundWriter:
             self._pool, self._jobs, self._writes = None, [], []
 
 
-def log_layer(pl_module: LightningModule, scalars: dict[str, Tensor]) -> None:
+def log_layer(
+    pl_module: LightningModule, scalars: dict[str, Tensor], hold: Callable[[Callable[[], Any]], None] | None = None
+) -> None:
     """Layer scalars through ``LightningModule.log`` (every logger, ``callback_metrics``), as CPU tensors: moved
     from the device in one copy, where Lightning would otherwise keep a result per tag on the device, each updated by
     its own small kernels and read back with its own synchronisation. In a monitored sanity pass, where Lightning
-    drops what ``log`` gets, straight to every logger at step 0 instead."""
+    drops what ``log`` gets, straight to every logger at step 0 instead: through ``hold`` (a
+    :meth:`BackgroundWriter.later`) when given, so that a failed epoch end logs none (Lightning drops what ``log``
+    got then)."""
     if not scalars:
         return
     trainer = pl_module.trainer
     if trainer.sanity_checking:  # monitored with log_sanity_check=True: Lightning would drop what `log` gets
-        _log_metrics(trainer, dict(zip(scalars, to_host_flat(scalars.values(), torch.float64).tolist(), strict=True)))
+        values = dict(zip(scalars, to_host_flat(scalars.values(), torch.float64).tolist(), strict=True))
+        (hold or (lambda write: write()))(lambda: _log_metrics(trainer, values))
         return
     for tag, value in zip(scalars, to_host_flat(scalars.values(), torch.float32), strict=True):
         # Already summed over ranks by compute(): sync_dist would only average equal numbers. Our own dataloader
