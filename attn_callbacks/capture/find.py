@@ -80,7 +80,7 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     """
     named = named_modules(model)
     hf_modules = output_indices(model)
-    found = attention_candidates(model)
+    found = _candidates(named, hf_modules)
     if not found:
         raise ValueError(
             "No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
@@ -98,8 +98,10 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
 
 def attention_candidates(model: nn.Module) -> dict[str, nn.Module]:
     """The attention modules :func:`find_attention_modules` finds with no pattern, in model order, none refused yet."""
-    named = named_modules(model)
-    hf_modules = output_indices(model)
+    return _candidates(named_modules(model), output_indices(model))
+
+
+def _candidates(named: Mapping[str, nn.Module], hf_modules: Mapping[str, int]) -> dict[str, nn.Module]:
     found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
     inside = tuple(f"{name}." for name in found)  # their inner modules' calls are theirs
     for name, module in named.items():

@@ -29,7 +29,7 @@ import math
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -238,14 +238,7 @@ class SdpaWatch(TorchFunctionMode):
 
     def _owner(self, frame: types.FrameType | None) -> tuple[str, nn.Module] | None:
         """The innermost watched module with a method on the call's stack."""
-        while frame is not None:
-            code = frame.f_code
-            if code.co_argcount and code.co_varnames[0] == "self":
-                found = self.modules.get(id(frame.f_locals.get("self")))
-                if found is not None:
-                    return found
-            frame = frame.f_back
-        return None
+        return next((self.modules[id(s)] for s in _method_owners(frame) if id(s) in self.modules), None)
 
     def _hand_on(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         call = _SIGNATURE.bind(*args, **kwargs).arguments
@@ -314,19 +307,24 @@ class SdpaCensus(TorchFunctionMode):
         output = func(*args, **(kwargs or {}))
         if func is not F.scaled_dot_product_attention or torch.compiler.is_compiling():
             return output
-        frame, innermost = sys._getframe(1), None
-        while frame is not None:  # the innermost module of the model with a method on the stack, unless one is found
-            code = frame.f_code
-            if code.co_argcount and code.co_varnames[0] == "self":
-                owner = frame.f_locals.get("self")
-                if id(owner) in self.found:
-                    return output
-                if innermost is None and id(owner) in self.names:
-                    innermost = owner
-            frame = frame.f_back
+        innermost = None
+        for owner in _method_owners(sys._getframe(1)):  # the innermost module of the model, unless one is found
+            if id(owner) in self.found:
+                return output
+            if innermost is None and id(owner) in self.names:
+                innermost = owner
         if innermost is not None:
             self.unseen.setdefault(self.names[id(innermost)], type(innermost).__name__)
         return output
+
+
+def _method_owners(frame: types.FrameType | None) -> Iterator[Any]:
+    """The ``self`` of each method on the stack from ``frame`` outwards, innermost first."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            yield frame.f_locals.get("self")
+        frame = frame.f_back
 
 
 def _rows_of(mask: Tensor | None, rows: slice, batch: int) -> Tensor | None:

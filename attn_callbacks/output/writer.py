@@ -57,15 +57,7 @@ class BackgroundWriter:
 
     def image(self, writer: Any, tag: str, image: np.ndarray, step: int) -> None:
         """:func:`add_image` of ``image``: encoded now on the worker thread, written when the epoch end succeeds."""
-
-        def encode() -> None:
-            if _event_file(writer) is None:  # a writer that encodes for itself
-                self.later(lambda: add_image(writer, tag, image, step))
-            else:
-                png = png_bytes(image)
-                self.later(lambda: add_png(writer, tag, png, image.shape[:2], step))
-
-        self.submit(encode)
+        self.submit(lambda: self.later(encoded_image(writer, tag, image, step)))
 
     def text(self, writer: Any, tag: str, text: str, step: int) -> None:
         self.later(lambda: writer.add_text(tag, text, step))
@@ -210,11 +202,15 @@ def add_image(writer: Any, tag: str, image: Any, step: int) -> None:
     """``writer.add_image(tag, image[..., :3], step, dataformats="HWC")`` for an ``(H, W, 3)`` RGB or ``(H, W, 4)``
     RGBA uint8 array (the alpha is dropped), without its float round trip and with faster PNG compression
     (:func:`png_bytes`); the same event a reader sees."""
-    events = _event_file(writer)
-    if events is None:  # tensorboardX's, say (other protobuf classes), or a closed writer: its own add_image
-        writer.add_image(tag, image[..., :3], step, dataformats="HWC")
-        return
-    add_png(writer, tag, png_bytes(image), image.shape[:2], step)
+    encoded_image(writer, tag, image, step)()
+
+
+def encoded_image(writer: Any, tag: str, image: Any, step: int) -> Callable[[], None]:
+    """:func:`add_image` in two steps: ``image`` is PNG-encoded now, and the call returned writes it."""
+    if _event_file(writer) is None:  # tensorboardX's (other protobuf classes), or a closed writer: its own add_image
+        return lambda: writer.add_image(tag, image[..., :3], step, dataformats="HWC")
+    png = png_bytes(image)
+    return lambda: add_png(writer, tag, png, image.shape[:2], step)
 
 
 def add_png(writer: Any, tag: str, png: bytes, size: tuple[int, int], step: int) -> None:
