@@ -112,10 +112,11 @@ class AttentionMonitor(MonitorOptions, Callback):
         if self._census_due:  # once per setup: attention that no module found makes, called in this batch
             self._capture.start_census(pl_module)
         # Read (and check) the ids before the model runs, so bad ids fail here with a clear message.
-        ids = {stream: self._streams.read(stream, pl_module.device)[2] for stream in self._streams.used()}
+        read = {stream: self._streams.read(stream, pl_module.device) for stream in self._streams.used()}
         first = batch_idx == 0 and dataloader_idx == 0 and not (trainer.sanity_checking or trainer.testing)
         if self.probe == "first" and first:
-            self._probe.capturing = self._probe.match(ids)
+            ids, valid = ({s: parts[k] for s, parts in read.items()} for k in (2, 1))
+            self._probe.capturing = self._probe.match(ids, valid)
 
     @override
     def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:  # (trainer, pl_module, outputs, batch, ...)
@@ -195,6 +196,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             **self._drift.state_dict(),
             "validation_epochs": self._schedule.validation_epochs,
             "probe_ids": self._probe.ids,
+            "probe_valid": self._probe.valid,
             "tracked_ids": dict(self._streams.tracked),
             "track_limits": dict(self._streams.track_limit),
             **self._report.state_dict(),
@@ -208,7 +210,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             )
         self._drift.load_state_dict(state_dict)
         self._schedule.validation_epochs = state_dict.get("validation_epochs")
-        self._probe.ids = state_dict["probe_ids"]
+        self._probe.ids, self._probe.valid = state_dict["probe_ids"], state_dict.get("probe_valid")
         self._load_tracked(state_dict.get("tracked_ids") or {}, state_dict.get("track_limits"))
         self._report.load_state_dict(state_dict)
 

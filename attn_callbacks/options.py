@@ -129,6 +129,13 @@ class MonitorOptions:
             validation epoch or at ``teardown``, which waits for the pictures still being drawn. None: on when the
             Trainer's device is not the CPU (on the CPU the process takes cores from training:
             ``docs/performance.md``).
+        token_mask: where a stream's padding mask is, for padding that cannot be told by id (GPT-2 set-ups pad with
+            the end-of-text token, which real text holds too): a batch key or a callable ``batch -> Tensor`` giving a
+            bool or integer ``(B, L)`` tensor, nonzero at real tokens (Hugging Face's ``attention_mask``), laid out
+            like the stream's ids; with several streams, a mapping stream name -> either (``{"src": "attention_mask",
+            "tgt": "decoder_attention_mask"}``; streams left out have no mask). Positions where it is 0 are left out
+            as queries and as keys, like ``ignore_ids`` (both apply). PyTorch's ``key_padding_mask`` is True at
+            padding: give ``lambda batch: ~batch["padding_mask"]``.
 
     With several validation dataloaders each gets its own sums, logged with a ``/dataloader_idx_{k}`` suffix, and the
     tags without suffix show all of them combined (drift, probe and export use the combined view). Every argument can
@@ -184,6 +191,7 @@ class MonitorOptions:
         explorer_size: int | float | str = "2MB",
         compile_step: bool = False,
         draw_in_background: bool | None = None,
+        token_mask: dict[str, TokenSource] | TokenSource | None = None,
     ) -> None:
         self._streams = Streams(
             token_ids,
@@ -195,7 +203,9 @@ class MonitorOptions:
             sink_ids,
             max_tracked_tokens,
             tracked_ids,
+            token_mask,
         )
+        self.token_mask = token_mask
         self.ignore_ids, self.batch_first, self.validate_args = (getattr(self._streams, k) for k in _STREAM_FLAGS)
         self.modules = config.check_patterns("modules", modules)
         self.attention_streams = config.check_attention_streams(attention_streams)
@@ -270,6 +280,7 @@ class MonitorOptions:
         # ddp_spawn pickles the Trainer with its callbacks before any hook runs: name the argument that cannot go.
         config.check_picklable(
             token_ids=self._streams.getters,
+            token_mask=self._streams.masks,
             id_to_token=self._streams.labels,
             probe=self.probe,
             probe_forward=self.probe_forward,

@@ -36,7 +36,7 @@ from attn_callbacks import AttentionMonitor
         ),
         ({}, [{"input_ids": torch.ones(2, LENGTH, 1, dtype=torch.long)}], ValueError, "\\(B, L\\).*\\(2, 6, 1\\)"),
         ({}, [{"input_ids": torch.ones(2, LENGTH, dtype=torch.bool)}], ValueError, "integer token ids.*torch.bool"),
-        ({}, [{"input_ids": [[1, 2]]}], ValueError, "stream 'tokens' to be a Tensor, but got list"),
+        ({}, [{"input_ids": [[1, 2]]}], ValueError, "to give a Tensor for stream 'tokens', but got list"),
         (
             {"token_ids": lambda b: b["missing"]},
             [{"input_ids": torch.ones(2, LENGTH, dtype=torch.long)}],
@@ -107,6 +107,11 @@ def test_callback_bad_batch_input_raises_clear_error(tmp_path, kwargs, batches, 
         (
             {"vocab_size": 5, "attention_streams": {"*": "src"}},
             "`attention_streams` to map.*but got \\{'\\*': 'src'\\}",
+        ),
+        ({"vocab_size": 5, "token_mask": 2.5}, "`token_mask` to be a batch key.*but got 2.5 for stream 'tokens'"),
+        (
+            {"vocab_size": 5, "token_ids": {"src": "s", "tgt": "t"}, "token_mask": "attention_mask"},
+            "`token_mask` to be a mapping stream name -> batch key or callable, as `token_ids` defines streams",
         ),
         ({"vocab_size": 5, "memory_budget": 0.5}, "`memory_budget` to be a positive number of bytes.*but got 0.5"),
     ],
@@ -182,6 +187,8 @@ def test_callback_options_that_ddp_spawn_cannot_pickle_raise_naming_the_argument
         copy.deepcopy(monitor)._streams.getters.keys() == monitor._streams.getters.keys()
     )  # deep copies need no pickling
     assert pickle.loads(pickle.dumps(AttentionMonitor(VOCAB, "input_ids")))._streams.vocab == {"tokens": VOCAB}
+    with pytest.raises(TypeError, match="argument `token_mask` cannot be pickled.*ddp_spawn"):
+        pickle.dumps(AttentionMonitor(VOCAB, token_mask=lambda batch: batch["input_ids"] > 0))
 
 
 @pytest.mark.parametrize(

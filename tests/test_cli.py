@@ -80,7 +80,7 @@ def write_config(path: Path, **init_args) -> Path:
 def resolved(monitor: AttentionMonitor) -> dict:
     """What the constructor made of its arguments, for comparing two monitors."""
     state = {k: v for k, v in vars(monitor).items() if not k.startswith("_")}
-    for name in ("getters", "vocab", "labels", "sinks", "track_limit"):
+    for name in ("getters", "masks", "vocab", "labels", "sinks", "track_limit"):
         state[name] = getattr(monitor._streams, name)
     state["tracked"] = {stream: ids.tolist() for stream, ids in monitor._streams.tracked.items()}
     return state
@@ -119,6 +119,7 @@ def test_dict_and_callable_arguments_round_trip_through_a_saved_config(tmp_path)
     config = write_config(
         tmp_path / "custom.yaml",
         token_ids={"src": "src", "tgt_in": {"class_path": f"{module}.BatchKey", "init_args": {"key": "tgt_in"}}},
+        token_mask={"src": "src_mask", "tgt_in": {"class_path": f"{module}.BatchKey", "init_args": {"key": "mask"}}},
         vocab_size={"src": 21, "tgt_in": 23},
         id_to_token={"src": f"{module}.source_word", "tgt_in": {0: "<pad>", 1: "<bos>"}},  # tgt_in ids otherwise
         attention_streams={"transformer.encoder.*": ["src", "src"], "*decoder*": ["tgt_in", "tgt_in"]},
@@ -130,6 +131,7 @@ def test_dict_and_callable_arguments_round_trip_through_a_saved_config(tmp_path)
     cli = build(config)
     monitor = monitor_of(cli)
     assert monitor._streams.getters == {"src": "src", "tgt_in": BatchKey("tgt_in")}
+    assert monitor._streams.masks == {"src": "src_mask", "tgt_in": BatchKey("mask")}
     assert monitor._streams.labels == {"src": source_word, "tgt_in": {0: "<pad>", 1: "<bos>"}}
     assert monitor.attention_streams == {"transformer.encoder.*": ("src", "src"), "*decoder*": ("tgt_in", "tgt_in")}
     assert monitor._streams.track_limit == {"src": 8}

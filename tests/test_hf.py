@@ -75,7 +75,7 @@ class Wrapper(LightningModule):
         self.log("val_norm", out.last_hidden_state.norm())
 
 
-def validate(tmp_path, monitor, model, batches=None):
+def validate(tmp_path, monitor, model, batches=None, wrapper=Wrapper):
     trainer = Trainer(
         default_root_dir=tmp_path,
         accelerator=ACCELERATOR,
@@ -84,7 +84,7 @@ def validate(tmp_path, monitor, model, batches=None):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.validate(Wrapper(model), DataLoader(batches or make_batches(), batch_size=None), verbose=False)
+    trainer.validate(wrapper(model), DataLoader(batches or make_batches(), batch_size=None), verbose=False)
     return trainer
 
 
@@ -513,6 +513,45 @@ def test_hf_models_log_the_position_statistics_of_their_float64_eager_twin(tmp_p
                 assert logged[f"attention_position_heads/{stat}/{name}/head_{h}"] == pytest.approx(
                     float(heads[h]), abs=1e-4
                 )
+
+
+def test_hf_gpt2_padded_with_its_end_of_text_id_is_read_through_its_attention_mask(tmp_path):
+    """GPT-2's usual set-up pads with the end-of-text id, which real text holds too (two documents packed in one
+    sample): `token_mask` reads the batch's attention mask, so real end-of-text tokens count and padding does not.
+    Sums against a float64 loop over the eager twin's output_attentions; the probe shows the real positions only."""
+    from _reference import spying
+
+    eos, batches, g = SEP, [], torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ids = torch.randint(3, VOCAB, (4, LENGTH), generator=g)
+        ids[:, 2] = eos  # a real end of text inside every sample
+        mask = torch.ones_like(ids)
+        ids[::2, -3:], mask[::2, -3:] = eos, 0  # right-padded with the end-of-text id
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    model = generative("gpt2", "sdpa")
+    monitor = AttentionMonitor(VOCAB, "input_ids", token_mask="attention_mask", export="pt", probe="first")
+    shown = []
+    with spying(monitor._report.images, "probe_maps", lambda tag, layer, weights, samples: shown.append(samples)):
+        validate(tmp_path, monitor, model, batches, wrapper=Generating)
+    record = load_epoch(next((tmp_path / "tb").rglob("*.pt")))
+    S = torch.zeros(LAYERS, HEADS, VOCAB, VOCAB, dtype=torch.float64)
+    Q = torch.zeros(VOCAB, dtype=torch.float64)
+    for batch in batches:
+        ids, real = batch["input_ids"], batch["attention_mask"].bool()
+        for layer, weights in enumerate(eager_weights("gpt2", model, batch).values()):
+            for b, i in real.nonzero().tolist():
+                Q[ids[b, i]] += layer == 0
+                for j in real[b].nonzero()[:, 0].tolist():
+                    S[layer, :, ids[b, i], ids[b, j]] += weights[b, :, i, j]
+    for layer in range(LAYERS):
+        stats = record.modules[f"model.transformer.h.{layer}.attn"]
+        torch.testing.assert_close(stats.attention_sum.double(), S[layer], rtol=1e-5, atol=1e-6)
+        assert torch.equal(stats.query_count.double(), Q)
+    assert Q[eos] == 12  # the real ones, one per sample; ignore_ids=[eos] would count none, no mask 30
+    assert torch.equal(monitor.state_dict()["probe_valid"]["tokens"], batches[0]["attention_mask"][:1].bool())
+    (query_positions, key_positions, query_labels, _), *_ = shown[0]
+    assert query_positions.tolist() == key_positions.tolist() == list(range(LENGTH - 3))  # sample 0 is padded
+    assert query_labels[2] == str(eos)
 
 
 def test_hf_seq2seq_batch_with_labels_only_says_how_to_give_decoder_input_ids(tmp_path):

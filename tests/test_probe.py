@@ -85,26 +85,32 @@ def test_probe_keep_assembles_the_samples_from_calls_a_few_samples_at_a_time():
     assert [kept[n].unique().tolist() for n in range(3)] == [[0.0], [0.0], [1.0]]  # sample 3 on is not kept
 
 
-def test_probe_match_freezes_a_copy_of_the_first_samples():
+def _match(probe, ids):
+    return probe.match(ids, {stream: torch.ones_like(t, dtype=torch.bool) for stream, t in ids.items()})
+
+
+def test_probe_match_freezes_a_copy_of_the_first_samples_and_their_valid_positions():
     probe = Probe("first", samples=2)
     ids = {"src": torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])}
-    assert probe.match(ids)
-    ids["src"][0, 0] = 9  # the loader's tensor changes later: the frozen ids do not
+    valid = {"src": ids["src"] < 6}
+    assert probe.match(ids, valid)
+    ids["src"][0, 0], valid["src"][0, 0] = 9, False  # the loader's tensors change later: the frozen ones do not
     assert probe.ids["src"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert probe.valid["src"].tolist() == [[True, True, True], [True, True, False]]
 
 
 def test_probe_match_compares_only_the_probe_samples():
     probe = Probe("first", samples=1)
-    probe.match({"src": torch.tensor([[1, 2], [3, 4]])})
-    same, messages = _recorded(lambda: probe.match({"src": torch.tensor([[1, 2], [0, 0], [5, 5]])}))
+    _match(probe, {"src": torch.tensor([[1, 2], [3, 4]])})
+    same, messages = _recorded(lambda: _match(probe, {"src": torch.tensor([[1, 2], [0, 0], [5, 5]])}))
     assert same and messages == []
 
 
 def test_probe_match_is_false_and_warns_once_for_other_samples():
     probe = Probe("first", samples=1)
-    probe.match({"src": torch.tensor([[1, 2]])})
+    _match(probe, {"src": torch.tensor([[1, 2]])})
     results, messages = _recorded(
-        lambda: [probe.match({"src": torch.tensor([[2, 1]])}), probe.match({"src": torch.tensor([[3, 1]])})]
+        lambda: [_match(probe, {"src": torch.tensor([[2, 1]])}), _match(probe, {"src": torch.tensor([[3, 1]])})]
     )
     assert results == [False, False] and len(messages) == 1
     assert "no longer starts with the frozen probe samples" in messages[0]
@@ -113,8 +119,8 @@ def test_probe_match_is_false_and_warns_once_for_other_samples():
 
 def test_probe_match_is_false_for_other_streams():
     probe = Probe("first", samples=1)
-    probe.match({"src": torch.tensor([[1, 2]])})
-    same, _ = _recorded(lambda: probe.match({"src": torch.tensor([[1, 2]]), "tgt": torch.tensor([[1, 2]])}))
+    _match(probe, {"src": torch.tensor([[1, 2]])})
+    same, _ = _recorded(lambda: _match(probe, {"src": torch.tensor([[1, 2]]), "tgt": torch.tensor([[1, 2]])}))
     assert not same
 
 

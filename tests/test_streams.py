@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from attn_callbacks.base.config import resolve_vocab_sizes, stream_getters
+from attn_callbacks.base.config import mask_getters, resolve_vocab_sizes, stream_getters
 from attn_callbacks.capture.streams import Streams
 from attn_callbacks.capture.wiring import resolve_streams
 
@@ -14,6 +14,18 @@ def test_stream_getters_single_and_mapping():
     assert stream_getters({"src": "a", "tgt": 1}) == {"src": "a", "tgt": 1}
     with pytest.raises(ValueError, match="empty mapping"):
         stream_getters({})
+
+
+def test_mask_getters_one_stream_mapping_and_errors():
+    assert mask_getters(None, ["tokens"]) == {}
+    assert mask_getters("attention_mask", ["tokens"]) == {"tokens": "attention_mask"}
+    assert mask_getters({"src": "attention_mask"}, ["src", "tgt"]) == {"src": "attention_mask"}  # tgt: no mask
+    with pytest.raises(ValueError, match=r"`token_mask` to be a mapping.*\['src', 'tgt'\], but got 'attention_mask'"):
+        mask_getters("attention_mask", ["src", "tgt"])
+    with pytest.raises(ValueError, match=r"`token_mask` names unknown stream\(s\) \['source'\]"):
+        mask_getters({"source": "attention_mask"}, ["src", "tgt"])
+    with pytest.raises(ValueError, match="`token_mask` to be a batch key.*but got 1.5 for stream 'tokens'"):
+        mask_getters(1.5, ["tokens"])
 
 
 def test_resolve_vocab_sizes():
@@ -120,6 +132,23 @@ def test_choose_tracked_counts_uint8_ids_without_wrapping_the_ignore_ids():
     batches = [{"x": torch.tensor([[156, 156, 3, 200], [156, 7, 7, 3]], dtype=torch.uint8)}]
     streams.choose_tracked([batches], [1], _OneProcess())
     assert streams.tracked["tokens"].tolist() == [156, 3]  # 156: 3 times, 3 and 7: twice (the smaller id wins)
+
+
+def test_streams_token_mask_leaves_out_masked_positions_as_ignore_ids_do_and_in_the_tracked_count():
+    """GPT-2's set-up: the pad id is the end-of-text id (9), which real text holds too; the mask tells them apart."""
+    ids = torch.tensor([[5, 9, 3, 9, 9], [9, 5, 5, 9, 9]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    streams = Streams("x", 10, ignore_ids=[3], token_mask="m", max_tracked_tokens=2)
+    streams.start_batch({"x": ids, "m": mask})
+    _, valid, _ = streams.read("tokens", torch.device("cpu"))
+    assert valid.tolist() == [[True, True, False, False, False], [True, True, True, True, False]]  # both apply
+    streams.of = {"attn": ("tokens", "tokens")}
+    streams.choose_tracked([[{"x": ids, "m": mask}]], [1], _OneProcess())
+    assert streams.tracked["tokens"].tolist() == [5, 9]  # 5: 3 times, 9: 3 real times (not 6)
+    streams = Streams("x", 10, token_mask="m", max_tracked_tokens=1)
+    streams.of = {"attn": ("tokens", "tokens")}
+    streams.choose_tracked([[{"x": ids, "m": mask}]], [1], _OneProcess())
+    assert streams.tracked["tokens"].tolist() == [5]  # counted with its padding, 9 (6 times) would lead
 
 
 @pytest.mark.parametrize("bad", [12, -3])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from attn_callbacks.capture.token_ids import check_ids_in_range, own_iterator, read_stream
+from attn_callbacks.capture.token_ids import check_ids_in_range, own_iterator, read_mask, read_stream
 
 
 def test_read_stream_from_dict_tuple_attribute_callable_and_seq_first():
@@ -30,6 +30,30 @@ def test_read_stream_errors_name_stream_and_value():
         read_stream({"x": ids.float()}, "s", "x")
     with pytest.raises(RuntimeError, match="callable for stream 's' raised"):
         read_stream({"x": ids}, "s", lambda b: b["nope"])
+
+
+def test_read_mask_is_true_at_nonzero_entries_of_bool_and_integer_masks_in_either_layout():
+    mask = torch.tensor([[1, 1, 0], [2, 0, 0]])  # nonzero: a real token
+    expected = [[True, True, False], [True, False, False]]
+    assert read_mask({"m": mask}, "s", "m", torch.Size([2, 3])).tolist() == expected
+    assert read_mask({"m": mask.bool()}, "s", "m", torch.Size([2, 3])).tolist() == expected
+    seq_first = read_mask({"m": mask.T.to(torch.uint8)}, "s", "m", torch.Size([2, 3]), batch_first=False)
+    assert seq_first.tolist() == expected
+    assert read_mask({"p": mask == 0}, "s", lambda b: ~b["p"], torch.Size([2, 3])).tolist() == expected
+
+
+def test_read_mask_errors_name_the_argument_the_stream_and_the_value():
+    mask = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="`token_mask` to give a bool or integer tensor for stream 's'.*torch.float32"):
+        read_mask({"m": mask.float()}, "s", "m", torch.Size([2, 3]))
+    with pytest.raises(ValueError, match=r"mask of stream 's' \(argument `token_mask`\).*\(2, 3\), but got \(2, 4\)"):
+        read_mask({"m": torch.ones(2, 4, dtype=torch.bool)}, "s", "m", torch.Size([2, 3]))
+    with pytest.raises(ValueError, match=r"token mask of stream 's' to have shape \(B, L\), but got shape \(6,\)"):
+        read_mask({"m": mask.flatten()}, "s", "m", torch.Size([2, 3]))
+    with pytest.raises(KeyError, match=r"'attention_mask' of argument `token_mask` \(stream 's'\).*keys: \['m'\]"):
+        read_mask({"m": mask}, "s", "attention_mask", torch.Size([2, 3]))
+    with pytest.raises(RuntimeError, match="The `token_mask` callable for stream 's' raised"):
+        read_mask({"m": mask}, "s", lambda b: b["nope"], torch.Size([2, 3]))
 
 
 def test_check_ids_in_range_ignores_invalid_positions():

@@ -20,6 +20,7 @@ __all__ = [
     "TokenLookup",
     "TokenSource",
     "Tokenizer",
+    "batch_source",
     "check_attention_streams",
     "check_choice",
     "check_path",
@@ -29,6 +30,7 @@ __all__ = [
     "format_bytes",
     "int_list",
     "labels_per_stream",
+    "mask_getters",
     "non_empty_str",
     "parse_bytes",
     "per_stream",
@@ -200,12 +202,38 @@ def stream_getters(token_ids: TokenSource | Mapping[str, TokenSource]) -> dict[s
             raise ValueError(
                 f"Expected the stream names in argument `token_ids` to be strings, but got {short_repr(stream)}"
             )
-        if isinstance(source, bool) or not (isinstance(source, (str, int)) or callable(source)):
-            raise ValueError(
-                "Expected argument `token_ids` to be a batch key, a callable batch -> LongTensor (B, L) or a mapping "
-                f"of stream names to either, but got {short_repr(source)} for stream {short_repr(stream)}"
-            )
+        batch_source("token_ids", source, stream)
     return getters
+
+
+def mask_getters(token_mask: TokenSource | Mapping[str, TokenSource] | None, streams: Sequence[str]) -> dict[str, Any]:
+    """Normalise ``token_mask`` to a mapping stream name -> batch key or callable (streams left out have none).
+
+    Example:
+        >>> mask_getters("attention_mask", ["tokens"])
+        {'tokens': 'attention_mask'}
+    """
+    if token_mask is None:
+        return {}
+    if not isinstance(token_mask, Mapping):
+        if len(streams) > 1:  # one mask for streams of other lengths: say which is which
+            raise ValueError(
+                f"Expected argument `token_mask` to be a mapping stream name -> batch key or callable, as "
+                f"`token_ids` defines streams {short_repr(list(streams))}, but got {short_repr(token_mask)}"
+            )
+        token_mask = {streams[0]: token_mask}
+    given = per_stream("token_mask", token_mask, streams, lambda _, source: source)  # refuses unknown streams
+    return {stream: batch_source("token_mask", source, stream) for stream, source in given.items()}
+
+
+def batch_source(name: str, source: Any, stream: Any) -> TokenSource:
+    """``source`` if it is a batch key (a mapping key, sequence index or attribute name) or a callable."""
+    if isinstance(source, bool) or not (isinstance(source, (str, int)) or callable(source)):
+        raise ValueError(
+            f"Expected argument `{name}` to be a batch key, a callable batch -> Tensor (B, L) or a mapping "
+            f"of stream names to either, but got {short_repr(source)} for stream {short_repr(stream)}"
+        )
+    return source
 
 
 def resolve_vocab_sizes(vocab_size: int | Mapping[str, int], streams: Sequence[str]) -> dict[str, int]:

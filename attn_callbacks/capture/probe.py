@@ -16,7 +16,8 @@ __all__ = ["Probe"]
 
 
 class Probe:
-    """The probe samples' ids (frozen at first sight, checkpointed) and this epoch's weights per module.
+    """The probe samples' ids and which of them count (frozen at first sight, checkpointed) and this epoch's weights
+    per module.
 
     Args:
         batch: ``"first"`` (the first samples of validation batch 0), a batch of your own, or None for no probe.
@@ -41,6 +42,7 @@ class Probe:
         self.forward = forward
         self.samples = samples
         self.ids: dict[str, Tensor] | None = None  # frozen ids per stream, (samples, L) on CPU
+        self.valid: dict[str, Tensor] | None = None  # their positions that count (not ignored or masked), the same
         self.weights: dict[str, Tensor] = {}  # this epoch's weights per module, (n, H, Lq, Lk) on CPU
         self.capturing = False  # the current batch is the probe: keep its weights
         self.only = False  # running the user's probe batch: keep its weights, accumulate nothing
@@ -62,11 +64,12 @@ class Probe:
         part = weights[: self.samples - start].detach().float().cpu()
         self.weights[name] = part if start == 0 else torch.cat([self.weights[name], part])
 
-    def match(self, ids: Mapping[str, Tensor]) -> bool:
-        """Freeze the probe at its first sight; afterwards, whether batch 0 still starts with the same samples."""
+    def match(self, ids: Mapping[str, Tensor], valid: Mapping[str, Tensor]) -> bool:
+        """Freeze the probe at its first sight (``ids`` and the ``valid`` positions of every stream); afterwards,
+        whether batch 0 still starts with the same samples."""
         head = {stream: t[: self.samples].detach().cpu() for stream, t in ids.items()}
         if self.ids is None:
-            self.ids = {stream: t.clone() for stream, t in head.items()}
+            self._freeze(ids, valid)
             return True
         same = head.keys() == self.ids.keys() and all(torch.equal(head[s], self.ids[s]) for s in head)
         if not same and not self._warned:
@@ -84,13 +87,13 @@ class Probe:
         streams.start_batch(move_data_to_device(self.batch, pl_module.device))
         try:
             try:
-                ids = {stream: streams.read(stream, pl_module.device)[2] for stream in streams.used()}
+                read = {stream: streams.read(stream, pl_module.device) for stream in streams.used()}
             except (KeyError, IndexError, AttributeError, TypeError, ValueError) as error:
                 raise ValueError(
                     f"AttentionMonitor: the probe batch given in argument `probe` does not hold the token ids "
                     f"`token_ids` reads from every validation batch: {error}"
                 ) from error
-            self.ids = {stream: t[: self.samples].detach().cpu().clone() for stream, t in ids.items()}  # not a view
+            self._freeze({s: ids for s, (_, _, ids) in read.items()}, {s: valid for s, (_, valid, _) in read.items()})
             self.only = True
             self.weights.clear()
             with torch.no_grad():
@@ -105,3 +108,9 @@ class Probe:
                 "ran in it, so no probe maps are drawn: does it call the model's attention (the modules selected "
                 "by `modules`)?"
             )
+
+    def _freeze(self, ids: Mapping[str, Tensor], valid: Mapping[str, Tensor]) -> None:
+        def head(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+            return {stream: t[: self.samples].detach().cpu().clone() for stream, t in tensors.items()}  # not views
+
+        self.ids, self.valid = head(ids), head(valid)

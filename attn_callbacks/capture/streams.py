@@ -18,6 +18,7 @@ from attn_callbacks.base.config import (
     TokenSource,
     int_list,
     labels_per_stream,
+    mask_getters,
     per_stream,
     positive_int,
     resolve_vocab_sizes,
@@ -31,6 +32,7 @@ from attn_callbacks.capture.token_ids import (
     compact_index,
     most_frequent_ids,
     own_iterator,
+    read_mask,
     read_stream,
 )
 from attn_callbacks.capture.wiring import first_rule, resolve_streams
@@ -58,9 +60,11 @@ class Streams:
         sink_ids: Any = (),
         max_tracked_tokens: Any = None,
         tracked_ids: Any = None,
+        token_mask: Any = None,
     ) -> None:
         self.getters: dict[str, TokenSource] = stream_getters(token_ids)
         self.names = list(self.getters)
+        self.masks: dict[str, TokenSource] = mask_getters(token_mask, self.names)
         self.vocab = resolve_vocab_sizes(vocab_size, self.names)
         self.labels = labels_per_stream(id_to_token, self.names)
         self.ignore_ids = int_list("ignore_ids", ignore_ids)
@@ -192,6 +196,15 @@ class Streams:
             return torch.ones_like(ids, dtype=torch.bool)
         return ~torch.isin(as_int64(ids), ignored)
 
+    def valid_in(self, batch: Any, stream: str, ids: Tensor) -> Tensor:
+        """Positions of a stream's int64 ``ids`` read from ``batch`` that count: not in ``ignore_ids``, and real tokens
+        by the stream's ``token_mask`` when it has one (a mask copied like the ids: the batch's may be edited)."""
+        valid = self.valid(ids)
+        source = self.masks.get(stream)
+        if source is not None:
+            valid &= read_mask(batch, stream, source, ids.shape, self.batch_first).to(ids.device)
+        return valid
+
     def start_batch(self, batch: Any) -> None:
         self.batch = batch
         self._ids.clear()
@@ -209,7 +222,7 @@ class Streams:
             ids = as_int64(as_read)  # uint8 ids of a 256-byte vocabulary: 154 >= 256 would be compared as 154 >= 0
             if ids is as_read:  # the batch's own memory: a validation_step editing it in place would change the pairs
                 ids = ids.clone()
-            valid = self.valid(ids)
+            valid = self.valid_in(self.batch, stream, ids)
             if self.validate_args:
                 check_ids_in_range(as_read, valid, self.vocab[stream], stream)
             compact = ids
@@ -278,7 +291,7 @@ class Streams:
                 for stream in pending:
                     as_read = read_stream(batch, stream, self.getters[stream], self.batch_first).to(device)
                     ids = as_int64(as_read)
-                    valid = self.valid(ids)
+                    valid = self.valid_in(batch, stream, ids)
                     check_ids_in_range(as_read, valid, self.vocab[stream], stream)  # no cell to count it in
                     where = torch.where(valid, ids, self.vocab[stream]).reshape(-1)  # ignored -> last cell
                     counts[stream].index_add_(0, where, valid.reshape(-1).long())

@@ -16,7 +16,15 @@ from torch.utils.data import DataLoader, IterableDataset
 from attn_callbacks.base.config import TokenSource, short_repr
 from attn_callbacks.capture import hf
 
-__all__ = ["as_int64", "check_ids_in_range", "compact_index", "most_frequent_ids", "own_iterator", "read_stream"]
+__all__ = [
+    "as_int64",
+    "check_ids_in_range",
+    "compact_index",
+    "most_frequent_ids",
+    "own_iterator",
+    "read_mask",
+    "read_stream",
+]
 
 
 def read_stream(batch: Any, stream: str, source: TokenSource, batch_first: bool = True) -> Tensor:
@@ -32,42 +40,83 @@ def read_stream(batch: Any, stream: str, source: TokenSource, batch_first: bool 
         KeyError: the key is not in the batch.
         ValueError: the ids are not a 2-D integer tensor.
     """
+    ids = _fetch(batch, stream, source, "token_ids")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"Expected integer token ids for stream {stream!r}, but got dtype {ids.dtype}")
+    return _batch_major(ids, stream, "token ids", batch_first)
+
+
+def read_mask(batch: Any, stream: str, source: TokenSource, shape: torch.Size, batch_first: bool = True) -> Tensor:
+    """The ``(B, L)`` boolean mask of one stream's real tokens in ``batch``: True where the batch's mask (Hugging
+    Face's ``attention_mask``, say) is nonzero.
+
+    Args:
+        batch, stream, batch_first: as for :func:`read_stream`.
+        source: a key or a callable ``batch -> Tensor`` giving a bool or integer tensor, nonzero at real tokens.
+        shape: the ``(B, L)`` shape of the stream's ids, which the mask must have.
+
+    Raises:
+        KeyError: the key is not in the batch.
+        ValueError: the mask is not a bool or integer tensor of the ids' shape.
+    """
+    mask = _fetch(batch, stream, source, "token_mask")
+    if mask.is_floating_point() or mask.is_complex():  # an additive float mask (0 / -inf) would read inverted
+        raise ValueError(
+            f"Expected argument `token_mask` to give a bool or integer tensor for stream {stream!r} (nonzero at real "
+            f"tokens), but got dtype {mask.dtype}; pass a callable such as `lambda batch: batch[key] > 0`"
+        )
+    mask = _batch_major(mask, stream, "token mask", batch_first)
+    if mask.shape != shape:
+        raise ValueError(
+            f"Expected the token mask of stream {stream!r} (argument `token_mask`) to have the shape of its token ids "
+            f"{tuple(shape)}, but got {tuple(mask.shape)}"
+        )
+    return mask != 0
+
+
+def _fetch(batch: Any, stream: str, source: TokenSource, argument: str) -> Tensor:
+    """The tensor ``source`` names in ``batch``; errors name ``argument``."""
     if callable(source):
         try:
-            ids = source(batch)
+            found = source(batch)
         except Exception as err:
-            raise RuntimeError(f"The `token_ids` callable for stream {stream!r} raised {short_repr(err)}") from err
+            raise RuntimeError(f"The `{argument}` callable for stream {stream!r} raised {short_repr(err)}") from err
     elif isinstance(batch, Mapping):
         if source not in batch:
             raise KeyError(
-                f"Batch key {short_repr(source)} of argument `token_ids` (stream {stream!r}) is not in the batch; "
+                f"Batch key {short_repr(source)} of argument `{argument}` (stream {stream!r}) is not in the batch; "
                 f"keys: {short_repr(list(batch))}{hf.missing_key_hint(source, batch)}"
             )
-        ids = batch[source]
+        found = batch[source]
     elif isinstance(source, int) and isinstance(batch, Sequence):
         if not -len(batch) <= source < len(batch):
             raise KeyError(
-                f"Batch index {source} of argument `token_ids` (stream {stream!r}) is out of range for a "
+                f"Batch index {source} of argument `{argument}` (stream {stream!r}) is out of range for a "
                 f"batch of {len(batch)} items"
             )
-        ids = batch[source]
+        found = batch[source]
     elif isinstance(source, str) and hasattr(batch, source):
-        ids = getattr(batch, source)
+        found = getattr(batch, source)
     else:
         raise KeyError(
-            f"Cannot read batch key {short_repr(source)} of argument `token_ids` (stream {stream!r}) from a batch of "
-            f"type {type(batch).__name__}; pass a callable batch -> LongTensor instead"
+            f"Cannot read batch key {short_repr(source)} of argument `{argument}` (stream {stream!r}) from a batch of "
+            f"type {type(batch).__name__}; pass a callable batch -> Tensor instead"
         )
-    if not isinstance(ids, Tensor):
-        raise ValueError(f"Expected the token ids of stream {stream!r} to be a Tensor, but got {type(ids).__name__}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError(f"Expected integer token ids for stream {stream!r}, but got dtype {ids.dtype}")
-    if ids.dim() != 2:
+    if not isinstance(found, Tensor):
+        raise ValueError(
+            f"Expected argument `{argument}` to give a Tensor for stream {stream!r}, but got {type(found).__name__}"
+        )
+    return found
+
+
+def _batch_major(values: Tensor, stream: str, what: str, batch_first: bool) -> Tensor:
+    """``values`` as ``(B, L)``, from the batch's layout."""
+    if values.dim() != 2:
         layout = "(B, L)" if batch_first else "(L, B)"
         raise ValueError(
-            f"Expected the token ids of stream {stream!r} to have shape {layout}, but got shape {tuple(ids.shape)}"
+            f"Expected the {what} of stream {stream!r} to have shape {layout}, but got shape {tuple(values.shape)}"
         )
-    return ids if batch_first else ids.T
+    return values if batch_first else values.T
 
 
 def check_ids_in_range(ids: Tensor, valid: Tensor, vocab_size: int, stream: str) -> None:

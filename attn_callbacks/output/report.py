@@ -344,11 +344,13 @@ class Reporter:
         weights, ids = self.probe.weights.get(name), self.probe.ids
         if weights is None or ids is None:
             return {}
+        # A checkpoint older than `token_mask` kept no valid positions: they were the ids not ignored.
+        valid = self.probe.valid or {stream: self.streams.valid(stream_ids) for stream, stream_ids in ids.items()}
         query_ids, key_ids = ids[streams[0]], ids[streams[1]]
         samples = []
         for sample in range(min(weights.shape[0], query_ids.shape[0])):
             q_ids, k_ids = query_ids[sample], key_ids[sample]
-            q_pos, k_pos = self.streams.valid(q_ids).nonzero()[:, 0], self.streams.valid(k_ids).nonzero()[:, 0]
+            q_pos, k_pos = valid[streams[0]][sample].nonzero()[:, 0], valid[streams[1]][sample].nonzero()[:, 0]
             q_labels = self.streams.batch_label(q_ids[q_pos].tolist(), streams[0])
             samples.append((q_pos, k_pos, q_labels, self.streams.batch_label(k_ids[k_pos].tolist(), streams[1])))
         return self.images.probe_maps(f"{prefix}_probe/{layer}", layer, weights, samples)

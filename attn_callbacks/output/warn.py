@@ -85,8 +85,8 @@ class Warnings:
         elif some_module_ran:  # its every query token was ignored
             self.once(
                 "empty",
-                "AttentionMonitor: no valid query token was seen in this epoch (every id in `ignore_ids`?), so "
-                "nothing is logged for it.",
+                "AttentionMonitor: no valid query token was seen in this epoch (every id in `ignore_ids`, or masked by "
+                "`token_mask`?), so nothing is logged for it.",
             )
 
     def no_tensorboard(self, trainer: Trainer) -> None:
@@ -136,8 +136,8 @@ class Warnings:
             self.once(
                 f"skipped:{name}",
                 f"AttentionMonitor: {skipped_rows} query rows of attention module {name!r} had non-finite "
-                "or all-zero weights (fully masked rows? padded positions whose id is not in `ignore_ids`?) and were "
-                "left out of the sums",
+                "or all-zero weights (fully masked rows? padding that neither `ignore_ids` nor `token_mask` leaves "
+                "out?) and were left out of the sums",
             )
 
     def explorer_name(self, view: str) -> None:
