@@ -147,13 +147,21 @@ def test_callback_empty_validation_set_and_all_padding_epoch_log_nothing(tmp_pat
 
 
 @pytest.mark.parametrize(
-    ("error", "where"), [(RuntimeError, "_draw"), (KeyboardInterrupt, "_draw"), (RuntimeError, "_dashboard")]
+    ("error", "where", "background"),
+    [
+        (RuntimeError, "_draw", False),
+        (KeyboardInterrupt, "_draw", False),
+        (RuntimeError, "_dashboard", False),
+        (RuntimeError, "_draw", True),
+        (KeyboardInterrupt, "_dashboard", True),
+    ],
 )
 @pytest.mark.parametrize("sanity", [False, True])
-def test_callback_a_failed_epoch_end_logs_nothing_of_it(tmp_path, monkeypatch, error, where, sanity):
+def test_callback_a_failed_epoch_end_logs_nothing_of_it(tmp_path, monkeypatch, error, where, background, sanity):
     """The second module's pictures fail, after every table, the Attention tab's data and the first module's pictures
     were made (or the head grids, after every module's): none of them reaches the run, nor do its scalars (per head
-    too; a monitored sanity pass's go straight to the loggers), as for an epoch that never ended."""
+    too; a monitored sanity pass's go straight to the loggers), as for an epoch that never ended. With the drawing
+    process, the pictures it returned before the failure are not written either."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from attn_callbacks.output.report import Reporter
@@ -162,12 +170,16 @@ def test_callback_a_failed_epoch_end_logs_nothing_of_it(tmp_path, monkeypatch, e
 
     def fails(self, *args):
         if made or where == "_dashboard":
+            if background:
+                assert self.drawing.process.pending and self.drawing.process.wait(60)  # every picture returned
             raise error("drawing failed")
         made.append(args)
         original(self, *args)
 
     monkeypatch.setattr(Reporter, where, fails)
-    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], num_pairs=3, log_sanity_check=sanity)
+    monitor = AttentionMonitor(
+        VOCAB, "input_ids", ignore_ids=[PAD], num_pairs=3, log_sanity_check=sanity, draw_in_background=background
+    )
     fitted = trainer(tmp_path, [monitor], num_sanity_val_steps=2 if sanity else 0)
     handler = signal.getsignal(signal.SIGINT)
     try:  # Ctrl+C: Lightning's graceful shutdown

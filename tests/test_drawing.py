@@ -201,3 +201,20 @@ def test_drawing_exception_in_fit_stops_the_process(tmp_path, started):
         trainer(tmp_path, [monitor], num_sanity_val_steps=0).fit(model, *loaders())
     assert no_hooks(model) and monitor._report.drawing.process is None and gone(started)
     assert isinstance(monitor._report.images.figures, FigureCache)
+
+
+def test_epoch_pictures_are_written_once_released_and_never_once_dropped():
+    written = []
+    released = drawing.EpochPictures()
+    released.deliver(lambda: written.append("before"))
+    assert written == []  # held while the epoch end runs
+    released.release()
+    released.deliver(lambda: written.append("after"))
+    released.drop()  # after a release: nothing to drop, and later pictures still come
+    released.deliver(lambda: written.append("late"))
+    dropped = drawing.EpochPictures()
+    dropped.deliver(lambda: written.append("failed"))
+    dropped.drop()
+    dropped.deliver(lambda: written.append("failed, late"))
+    dropped.release()  # never after a drop
+    assert written == ["before", "after", "late"]

@@ -28,7 +28,7 @@ from attn_callbacks.output.figure_cache import FigureCache
 from attn_callbacks.output.images import Images
 from attn_callbacks.output.writer import BackgroundWriter, add_png, fast_record_checksums, tensorboard_writer
 
-__all__ = ["Drawing", "DrawingProcess"]
+__all__ = ["Drawing", "DrawingProcess", "EpochPictures"]
 
 # Seconds teardown waits for the pictures still being drawn, and then for the process to exit.
 FINISH_TIMEOUT = 120.0
@@ -160,6 +160,38 @@ class DrawingProcess:
             self._error = error
 
 
+class EpochPictures:
+    """What the drawing process returns of one epoch end: held until the epoch end succeeds (:meth:`release`), then
+    written, as is every picture returned after; dropped when it fails (:meth:`drop`), as the other writes of a failed
+    epoch end are. Deliveries come from the receiving thread, the release and the drop from the monitor's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[Callable[[], Any]] | None = []  # None once released
+        self._dropped = False
+
+    def deliver(self, write: Callable[[], Any]) -> None:
+        with self._lock:
+            if self._dropped:
+                return
+            if self._held is not None:
+                self._held.append(write)
+                return
+        write()
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held or [], None
+        for write in held:
+            write()
+
+    def drop(self) -> None:
+        """Drop the pictures of an epoch end never released (a no-op once it was)."""
+        with self._lock:
+            if self._held is not None:
+                self._held, self._dropped = [], True
+
+
 class Drawing:
     """Hands each picture of an epoch end on: to the writer thread of this process (``background``), or, once
     :meth:`start` has started one, as a job to the drawing process, ``images`` then recording jobs instead of
@@ -170,6 +202,7 @@ class Drawing:
         self.images, self.background = images, background
         self.process: DrawingProcess | None = None
         self._checksums = ExitStack()
+        self._epoch = EpochPictures()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"images": self.images, "background": self.background}  # the process is the stage's
@@ -192,12 +225,24 @@ class Drawing:
         self.images.figures = FigureJobs()
         self._checksums.enter_context(fast_record_checksums(writer))  # the pictures are written after the epoch end
 
+    def begin_epoch(self) -> None:
+        """Start an epoch end: the pictures the process returns from now on are written once it succeeds (when the
+        background writer makes its held writes), never if it fails."""
+        self._epoch.drop()
+        self._epoch = EpochPictures()
+        self.background.later(self._epoch.release)
+
     def image(self, writer: Any, tag: str, image: Any, step: int) -> None:
         """Log ``image`` (an RGB(A) array, or the job that draws it) under ``tag`` at ``step``."""
         if self.process is None:
             self.background.image(writer, tag, image, step)
         else:
-            self.process.submit(image, lambda png, size: add_png(writer, tag, png, size, step))
+            epoch = self._epoch
+            self.process.submit(image, lambda png, size: epoch.deliver(lambda: add_png(writer, tag, png, size, step)))
+
+    def drop_epoch(self) -> None:
+        """Drop the pictures of a failed epoch end (a no-op after one that succeeded)."""
+        self._epoch.drop()
 
     def check(self) -> None:
         """Raise the drawing process's first error (its traceback in the message), once."""

@@ -97,8 +97,10 @@ class Reporter:
         self.images.limits = dict(state.get("color_limits") or {})
 
     def close(self) -> None:
-        """Stop the image writer of a failed epoch end, if one runs (its pending images are dropped)."""
+        """Stop the image writer of a failed epoch end, if one runs (its pending images are dropped), and drop what
+        the drawing process returns of it."""
         self.background.finish(raise_errors=False)
+        self.drawing.drop_epoch()
 
     def tensorboard(self, trainer: Trainer) -> Any:
         """The TensorBoard writer of rank 0, or None (with a warning, once, when rank 0 has none)."""
@@ -118,6 +120,7 @@ class Reporter:
         """Log every module's epoch: combined over dataloaders, and per dataloader (``/dataloader_idx_{k}``) when
         there are several. On a drift epoch, returns what drift memory keeps of the derived numbers, per module."""
         self.drawing.check()  # the last epoch's pictures, drawn since
+        self.drawing.begin_epoch()
         writer = self.tensorboard(trainer)
         _masses_in_place(merged)
         derived: dict[str, dict[str, Tensor]] = {}
