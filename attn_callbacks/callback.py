@@ -292,8 +292,11 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._streams.end_batch()
         self._probe.capturing = self._probe.only = False
 
-    def _consume(self, name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int) -> None:
-        """The hooks' hand-off: one call's weights to the probe and to the sums of its site."""
+    def _consume(
+        self, name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int, allowed: Tensor | None = None
+    ) -> None:
+        """The hooks' hand-off: one call's weights (and the keys its mask allows) to the probe and to the sums of its
+        site."""
         if self._streams.batch is None:
             raise RuntimeError(
                 f"AttentionMonitor: attention module {name!r} ran outside a validation batch while hooked"
@@ -318,4 +321,4 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._probe.keep(name, weights, rows)
         if not self._probe.only:
             other = self._streams.other_cell(streams)
-            self._sums.add(name, self._dataloader_idx, streams, weights, query, key, rows, other)
+            self._sums.add(name, self._dataloader_idx, streams, weights, query, key, rows, other, allowed)

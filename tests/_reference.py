@@ -260,13 +260,15 @@ def row_kept(weights, query_valid, n, i):
     return bool(query_valid[n, i]) and bool(torch.isfinite(weights[n, :, i]).all())
 
 
-def visible_keys(weights, key_valid, n, i):
-    """Valid keys that at least one head gives a non-zero weight."""
+def visible_keys(weights, key_valid, n, i, allowed=None):
+    """Valid keys that the mask ``allowed`` ``(B, Lq, Lk)`` allows or at least one head gives a non-zero weight."""
     h_, lk = weights.shape[1], weights.shape[3]
-    return [j for j in range(lk) if key_valid[n, j] and any(float(weights[n, h, i, j]) != 0.0 for h in range(h_))]
+    weighted = [any(float(weights[n, h, i, j]) != 0.0 for h in range(h_)) for j in range(lk)]
+    masked = [allowed is not None and bool(allowed[n, i, j]) for j in range(lk)]
+    return [j for j in range(lk) if key_valid[n, j] and (weighted[j] or masked[j])]
 
 
-def naive_uniform(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
+def naive_uniform(weights, query_ids, key_ids, query_valid, key_valid, vq, vk, allowed=None):
     """float64 Python-loop reference of U."""
     b_, _, lq, _ = weights.shape
     U = torch.zeros(vq, vk, dtype=torch.float64)
@@ -274,13 +276,13 @@ def naive_uniform(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
         for i in range(lq):
             if not row_kept(weights, query_valid, n, i):
                 continue
-            visible = visible_keys(weights, key_valid, n, i)
+            visible = visible_keys(weights, key_valid, n, i, allowed)
             for j in visible:
                 U[int(query_ids[n, i]), int(key_ids[n, j])] += 1.0 / len(visible)
     return U
 
 
-def naive_position_sums(weights, query_valid, key_valid):
+def naive_position_sums(weights, query_valid, key_valid, allowed=None):
     """float64 Python-loop reference of the position sums, rows in the order of F.POSITION_STATS."""
     b_, h_, lq, lk = weights.shape
     P = torch.zeros(6, h_, dtype=torch.float64)
@@ -288,7 +290,7 @@ def naive_position_sums(weights, query_valid, key_valid):
         for i in range(lq):
             if not row_kept(weights, query_valid, n, i):
                 continue
-            visible = visible_keys(weights, key_valid, n, i)
+            visible = visible_keys(weights, key_valid, n, i, allowed)
             for h in range(h_):
                 # weights restricted to valid keys; 0 outside the key range
                 w = {j: float(weights[n, h, i, j]) if key_valid[n, j] else 0.0 for j in range(lk)}

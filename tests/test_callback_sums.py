@@ -19,7 +19,14 @@ from _callback_helpers import (
     no_hooks,
     trainer,
 )
-from _reference import accumulate_attention_reference, add_loop_sums, copied, returned
+from _reference import (
+    accumulate_attention_reference,
+    add_loop_sums,
+    copied,
+    naive_position_sums,
+    naive_uniform,
+    returned,
+)
 from lightning.pytorch import LightningModule, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader
@@ -52,6 +59,54 @@ def test_callback_sums_equal_reference_from_manually_captured_weights(tmp_path):
     seen = Q > 0
     torch.testing.assert_close(P.sum(-1)[:, seen], torch.ones(2, int(seen.sum())), rtol=1e-5, atol=1e-5)
     assert no_hooks(model)
+
+
+class SharpCausal(LightningModule):
+    """One nn.MultiheadAttention called with a causal mask and a padding mask, its query projection scaled up:
+    logits hundreds apart, so that float32's softmax rounds most keys' weights to exactly 0 in both heads."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.attn = nn.Embedding(VOCAB, 16), nn.MultiheadAttention(16, 2, batch_first=True)
+        with torch.no_grad():
+            self.attn.in_proj_weight[:16] *= 400
+
+    def forward(self, ids, need_weights=False):
+        x = self.embed(ids)
+        future = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)  # True: may not attend
+        padding = ids == PAD
+        return self.attn(x, x, x, padding, need_weights, future, average_attn_weights=False)
+
+    def validation_step(self, batch, batch_idx):
+        self(batch["input_ids"])
+
+
+def test_callback_sharp_mha_counts_every_key_its_masks_allow_in_the_baseline_and_max_entropy(tmp_path):
+    """U and Σ log n count the keys that nn.MultiheadAttention's causal and padding masks allow, also where float32
+    rounded their weight to 0 in both heads; against the float64 twin, which rounds none of them."""
+    monitor = Recorder(VOCAB, "input_ids", ignore_ids=[PAD])
+    model = SharpCausal()
+    trainer(tmp_path, [monitor]).validate(model, loaders()[1])
+    stats = monitor.last["attn"]
+    twin = SharpCausal().double()
+    U = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    position = torch.zeros(6, 2, dtype=torch.float64)
+    underflowed = 0
+    with torch.no_grad():
+        for batch in make_batches(seed=1):
+            ids = batch["input_ids"]
+            valid = ids != PAD
+            _, weights = twin(ids, need_weights=True)  # float64: no allowed key rounds to 0
+            allowed = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril() & valid[:, None, :]
+            assert ((weights.amax(dim=1) > 0) == allowed).all()
+            _, single = model(ids, need_weights=True)
+            underflowed += int((allowed & (single.amax(dim=1) == 0)).sum())
+            U += naive_uniform(weights, ids, ids, valid, valid, VOCAB, VOCAB)
+            position += naive_position_sums(weights, valid, valid)
+    assert underflowed > 20
+    torch.testing.assert_close(stats.uniform_sum.double(), U, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.position_sums[1].double(), position[1], rtol=1e-5, atol=1e-5)  # Σ log n
 
 
 class RunsTwice(TinyEncoder):

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from attn_callbacks.capture.find import find_attention_modules
-from attn_callbacks.capture.hooks import AttentionCapture, capture_attention
+from attn_callbacks.capture.hooks import AttentionCapture, capture_attention, mha_allowed
 
 
 def encoder(batch_first=True, layers=2, nested=True):
@@ -15,7 +15,7 @@ def encoder(batch_first=True, layers=2, nested=True):
 def count_calls(model):
     calls: dict[str, list] = {}
 
-    def consumer(name, module, weights, rows, batch):
+    def consumer(name, module, weights, rows, batch, allowed):
         calls.setdefault(name, []).append(weights.clone())
 
     return calls, AttentionCapture(find_attention_modules(model), consumer)
@@ -185,7 +185,7 @@ def no_hooks_left(model):
 def test_capture_detaches_and_restores_fastpath_after_exception():
     model = encoder()
 
-    def consumer(name, module, weights, rows, batch):
+    def consumer(name, module, weights, rows, batch, allowed):
         raise RuntimeError("boom")
 
     capture = AttentionCapture(find_attention_modules(model), consumer)
@@ -268,3 +268,29 @@ def test_capture_inside_a_compiled_function_reads_the_calls_leaves_the_stance_al
 
     assert run(torch.randn(3, 1, 8))[1] == 1
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_mha_allowed_reads_boolean_and_float_attention_and_padding_masks_per_call_form():
+    """nn.MultiheadAttention's masks say True where a query may NOT attend (boolean) or add to the logits (float: 0
+    allows); the allowed keys are True where no mask masks them, for some head."""
+    weights = torch.zeros(2, 2, 3, 3)  # (B, H, Lq, Lk)
+    query = torch.zeros(2, 3, 8)
+    causal = nn.Transformer.generate_square_subsequent_mask(3)  # 0 on and below the diagonal, -inf above
+    lower = torch.ones(3, 3, dtype=torch.bool).tril()
+    assert torch.equal(mha_allowed({"query": query, "attn_mask": causal}, weights), lower[None])
+    assert torch.equal(mha_allowed({"query": query, "attn_mask": ~lower}, weights), lower[None])
+    padding = torch.tensor([[False, False, True], [False, False, False]])  # sample 0's last key is padding
+    got = mha_allowed({"query": query, "key_padding_mask": padding, "attn_mask": causal}, weights)
+    assert got.tolist() == [[[1, 0, 0], [1, 1, 0], [1, 1, 0]], lower.int().tolist()]
+    float_padding = torch.zeros(2, 3).masked_fill(padding, -torch.inf)
+    got = mha_allowed({"query": query, "key_padding_mask": float_padding}, weights)
+    assert torch.equal(got, (~padding)[:, None].expand(2, 3, 3))
+    per_head = torch.zeros(4, 3, 3, dtype=torch.bool)  # (B * H, Lq, Lk): sample 1's first head masks key 0
+    per_head[2, :, 0] = True
+    assert mha_allowed({"query": query, "attn_mask": per_head}, weights).all()  # its second head may attend
+    per_head[3, :, 0] = True
+    assert mha_allowed({"query": query, "attn_mask": per_head}, weights)[1, :, 0].tolist() == [False] * 3
+    unbatched = mha_allowed({"query": query[0], "key_padding_mask": padding[0]}, weights[0])
+    assert unbatched.tolist() == [[[True, True, False]] * 3]
+    nested = torch.nested.nested_tensor([torch.zeros(3, 8), torch.zeros(2, 8)])
+    assert mha_allowed({"query": nested}, weights) is None  # its padding mask was dropped: the weights tell

@@ -12,7 +12,7 @@ import numba
 import pytest
 import torch
 import torch.nn.functional as F
-from _reference import ACCELERATOR, naive_position_sums
+from _reference import ACCELERATOR, naive_position_sums, naive_uniform
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -21,10 +21,10 @@ from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as sdpa_alias
 from torch.utils.data import DataLoader
 
-from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules
+from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules, load_epoch
 from attn_callbacks.capture import hooks
 from attn_callbacks.capture.hooks import AttentionCapture
-from attn_callbacks.capture.sdpa import SdpaWatch, calls_sdpa, sdpa_weights
+from attn_callbacks.capture.sdpa import SdpaWatch, calls_sdpa, sdpa_allowed, sdpa_weights
 
 
 def naive_weights(q, k, mask=None, causal=False, scale=None, gqa=False):
@@ -207,6 +207,63 @@ def test_monitor_reads_nanogpt_style_model_as_float64_eager_twin_outputs_untouch
             for h in range(4):
                 got = logged[f"attention_position_heads/{stat}/{name}/head_{h}"]
                 assert got == pytest.approx(float(heads[h]), abs=1e-4)
+
+
+def test_sdpa_allowed_reads_boolean_float_causal_and_per_head_masks():
+    cpu = torch.device("cpu")
+    assert sdpa_allowed(None, False, 2, 3, cpu).tolist() == [[[True] * 3] * 2]
+    assert sdpa_allowed(None, True, 2, 3, cpu).tolist() == [[[True, False, False], [True, True, False]]]
+    per_head = torch.tensor([[[[True, False]], [[False, False]]]])  # (B=1, H=2, 1, Lk=2): allowed for some head
+    assert sdpa_allowed(per_head, False, 2, 2, cpu).tolist() == [[[True, False], [True, False]]]
+    # float: 0 allows; -inf masks; other values are biases or masks (-1e9) that only the weights tell apart
+    padding = torch.tensor([[0.0, -math.inf, -1e9, -0.25]]).view(1, 1, 1, 4)  # Hugging Face's (B, 1, 1, Lk)
+    first_only = [[True, False, False, False]] * 2
+    assert sdpa_allowed(padding, True, 2, 4, cpu).tolist() == [first_only]
+
+
+class Sharp(LightningModule):
+    """A causal nanoGPT-style model whose query weights are scaled up: logits hundreds apart, so that float32's
+    softmax rounds most keys' weights to exactly 0 in every head."""
+
+    def __init__(self, eager=False):
+        super().__init__()
+        torch.manual_seed(3)
+        self.model = TinyGPT(heads=2, layers=1, eager=eager)
+        with torch.no_grad():
+            self.model.blocks[0].attn.qkv.weight[:16] *= 400
+
+    def validation_step(self, batch, batch_idx):
+        self.model(batch["ids"])
+
+
+def test_sharp_sdpa_attention_counts_every_key_its_mask_allows_in_the_baseline_and_max_entropy(tmp_path):
+    """U and Σ log n (the maximum entropy) count the keys the causal mask allows, also where float32 rounded their
+    weight to 0 in both heads (weights alone would call them masked: lift and normalised entropy would read as if the
+    rows saw fewer keys). Against the float64 twin, which rounds none of them."""
+    batches = gpt_batches()
+    monitor = AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")
+    Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+    ).validate(Sharp(), DataLoader(batches, batch_size=None), verbose=False)  # fmt: skip
+    stats = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules["model.blocks.0.attn"]
+    twin = Sharp(eager=True).double()
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    U = torch.zeros(12, 12, dtype=torch.float64)
+    position = torch.zeros(6, 2, dtype=torch.float64)
+    underflowed = 0
+    with torch.no_grad():
+        for batch in batches:
+            ids, valid = batch["ids"], torch.ones_like(batch["ids"], dtype=torch.bool)
+            twin.model(ids)
+            weights = twin.model.blocks[0].attn.weights  # float64: no allowed key rounds to 0
+            assert ((weights.amax(dim=1) > 0) == causal).all()
+            underflowed += int((causal & (weights.float().amax(dim=1) == 0)).sum())
+            U += naive_uniform(weights, ids, ids, valid, valid, 12, 12)
+            position += naive_position_sums(weights, valid, valid)
+    assert underflowed > 50  # in float32, as the monitor recomputes them
+    torch.testing.assert_close(stats.uniform_sum.double(), U, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.position_sums[1].double(), position[1], rtol=1e-5, atol=1e-5)  # Σ log n
 
 
 def test_sdpa_modules_are_found_by_their_code_named_by_the_innermost_watched_module():

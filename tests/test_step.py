@@ -188,6 +188,47 @@ def test_accumulate_attention_drops_and_counts_all_zero_rows_like_padding(path):
         torch.testing.assert_close(got.double(), want.double(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", ["numba", "torch", "compiled"])
+def test_accumulate_attention_counts_keys_the_mask_allows_as_visible_where_every_head_rounds_to_0(path):
+    """A sharp softmax rounds the weights of keys far below the top to exactly 0 in every head: without the call's
+    mask they look masked (U and the maximum entropy would count only the keys with weight); with `allowed` they count.
+    Causal mask and padding, against the float64 loop; float32 weights as a model stores them."""
+    from attn_callbacks.base.numba_loader import uses_numba
+
+    if path == "numba" and not uses_numba(torch.device("cpu")):
+        pytest.skip("numba is not installed or switched off")
+    weights, qi, ki, qv, kv = random_case(3, 2, 6, 6, 4, 4, causal=True, seed=13)
+    weights = (weights.log() * 200).softmax(-1)  # logits 200 times apart: most allowed keys underflow in both heads
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()[None]  # (1, Lq, Lk): every sample's causal mask
+    underflowed = allowed & (weights.amax(dim=1) == 0)
+    assert underflowed.sum() > 10  # the case this test is about
+    pairs = F.pair_index(qi, ki, qv, kv, 4, 4)
+    packed, C, Q = torch.zeros(3, 16), torch.zeros(16, dtype=torch.long), torch.zeros(4).long()
+    P = torch.zeros(len(F.POSITION_STATS), 2)
+    if path == "numba":
+        F.accumulate_attention(packed, C, Q, P, weights, None, qi, qv, kv, key_ids=ki, allowed=allowed)
+    else:
+        accumulate_attention_torch(
+            packed, C, Q, P, weights, pairs, qi, qv, kv, allowed=allowed, compiled=path == "compiled"
+        )
+    U = naive_uniform(weights, qi, ki, qv, kv, 4, 4, allowed.expand(3, 6, 6))
+    torch.testing.assert_close(packed[2].view(4, 4).double(), U, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        P.double(), naive_position_sums(weights, qv, kv, allowed.expand(3, 6, 6)), rtol=1e-5, atol=1e-5
+    )
+    assert not torch.allclose(U, naive_uniform(weights, qi, ki, qv, kv, 4, 4))  # what the weights alone would say
+
+
+def test_accumulate_attention_refuses_an_allowed_mask_of_another_shape_or_dtype():
+    weights, qi, ki, qv, kv = random_case(2, 2, 3, 4, 3, 3, seed=1)
+    state = (torch.zeros(3, 9), torch.zeros(9, dtype=torch.long), torch.zeros(3).long(), torch.zeros(6, 2))
+    for bad in (torch.ones(2, 4, 3, dtype=torch.bool), torch.ones(1, 3, 4)):
+        with pytest.raises(
+            ValueError, match=r"`allowed` to be a bool tensor broadcastable to \(B, Lq, Lk\) = \(2, 3, 4\)"
+        ):
+            F.accumulate_attention(*state, weights, None, qi, qv, kv, key_ids=ki, allowed=bad)
+
+
 @pytest.mark.parametrize("exact", [True, False])
 def test_row_plogp_one_pass_and_exact_paths_match_float64_loop(exact):
     g = torch.Generator().manual_seed(3)

@@ -38,7 +38,7 @@ from attn_callbacks.capture.switches import EagerCompile, FastpathOff, GlobalSwi
 
 __all__ = ["AttentionCapture", "capture_attention"]
 
-WeightsConsumer = Callable[[str, nn.Module, Tensor, slice, int], None]
+WeightsConsumer = Callable[[str, nn.Module, Tensor, slice, int, Tensor | None], None]
 
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -56,11 +56,14 @@ class AttentionCapture:
     Args:
         modules: name -> module, as from :func:`find_attention_modules`: ``nn.MultiheadAttention`` modules are
             hooked, Hugging Face eager ones read (those in ``output_index``), every other one watched for SDPA calls.
-        consumer: called as ``consumer(name, module, weights, rows, batch)`` with ``weights`` of shape
+        consumer: called as ``consumer(name, module, weights, rows, batch, allowed)`` with ``weights`` of shape
             ``(b, H, Lq, Lk)`` (batch-major whatever ``batch_first`` says; ``(H, Lq, Lk)`` for an unbatched
             ``nn.MultiheadAttention`` call) for the samples ``rows`` (a ``slice``) of the call's ``batch`` samples:
             all of them, except for an SDPA call recomputed a few samples at a time. The k-th SDPA call of a module
-            in one batch (k ≥ 1) is named ``f"{name}.call{k}"``.
+            in one batch (k ≥ 1) is named ``f"{name}.call{k}"``. ``allowed``: the keys the call's mask lets each
+            query attend to, broadcastable to ``(b, Lq, Lk)`` (see :func:`mha_allowed` and
+            :func:`~attn_callbacks.capture.sdpa.sdpa_allowed`), or None where the capture cannot know (Hugging Face
+            eager modules, a nested-tensor call).
         disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored when the last
             capture attached at the time detaches).
         output_index: for Hugging Face attention modules, the index of the weights in their output tuple
@@ -224,10 +227,12 @@ class AttentionCapture:
         finally:
             self.stop_watching()
 
-    def _watched_call(self, name: str, index: int, module: nn.Module, weights: Tensor, rows: slice, batch: int) -> None:
+    def _watched_call(
+        self, name: str, index: int, module: nn.Module, weights: Tensor, rows: slice, batch: int, allowed: Tensor
+    ) -> None:
         if rows.start == 0:
             self.calls[name] += 1
-        self.consumer(name if index == 0 else f"{name}.call{index}", module, weights, rows, batch)
+        self.consumer(name if index == 0 else f"{name}.call{index}", module, weights, rows, batch, allowed)
 
     def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -251,7 +256,7 @@ class AttentionCapture:
                 return (out, None) if not need_weights else output
             self.calls[name] += 1
             batch = weights.size(0) if weights.dim() == 4 else 1
-            self.consumer(name, module, weights, slice(0, batch), batch)
+            self.consumer(name, module, weights, slice(0, batch), batch, mha_allowed(kwargs, weights))
             if not need_weights:
                 return out, None
             return (out, weights.mean(dim=-3)) if average else output
@@ -266,9 +271,36 @@ class AttentionCapture:
             if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
                 raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
             self.calls[name] += 1
-            self.consumer(name, module, weights, slice(0, weights.size(0)), weights.size(0))
+            self.consumer(name, module, weights, slice(0, weights.size(0)), weights.size(0), None)
 
         return hook
+
+
+def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:
+    """The keys each query of an ``nn.MultiheadAttention`` call (its bound arguments ``call``) may attend to,
+    ``(B or 1, Lq, Lk)`` bool, from its ``attn_mask`` (boolean: True masks; float: exactly 0 allows) and
+    ``key_padding_mask`` (likewise), for its weights ``(B, H, Lq, Lk)`` or ``(H, Lq, Lk)``; None for a nested-tensor
+    call (``nn.TransformerEncoder``'s conversion drops its padding mask: only the weights tell which keys it had).
+
+    Example:
+        >>> causal = nn.Transformer.generate_square_subsequent_mask(3)  # 0 on and below the diagonal, -inf above
+        >>> mha_allowed({"query": torch.zeros(3, 4), "attn_mask": causal}, torch.zeros(1, 3, 3))[0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
+    if call["query"].is_nested:
+        return None
+    len_q, len_k = weights.shape[-2:]
+    allowed = torch.ones(1, len_q, len_k, dtype=torch.bool, device=weights.device)
+    attn_mask, padding = call.get("attn_mask"), call.get("key_padding_mask")
+    if attn_mask is not None:
+        free = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        if free.dim() == 3:  # (B * H, Lq, Lk): allowed for some head
+            free = free.view(-1, weights.size(-3), len_q, len_k).any(dim=1)
+        allowed = allowed & free.to(weights.device)
+    if padding is not None:
+        free = ~padding if padding.dtype == torch.bool else padding == 0
+        allowed = allowed & free.to(weights.device).view(-1, 1, len_k)  # (B, 1, Lk); (1, 1, Lk) unbatched
+    return allowed
 
 
 def _leave(mode: torch.overrides.TorchFunctionMode) -> bool:
@@ -328,7 +360,7 @@ def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) ->
     """
     collected: dict[str, list[Tensor]] = defaultdict(list)
 
-    def keep(name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int) -> None:
+    def keep(name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int, allowed: Tensor | None) -> None:
         if rows.start == 0:
             collected[name].append(weights.detach())
         else:  # the next samples of the same SDPA call

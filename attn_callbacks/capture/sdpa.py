@@ -38,7 +38,15 @@ from torch.nn import functional as F
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CHUNK_BYTES", "SdpaCensus", "SdpaWatch", "calls_sdpa", "sdpa_weights", "unreadable_attention"]
+__all__ = [
+    "CHUNK_BYTES",
+    "SdpaCensus",
+    "SdpaWatch",
+    "calls_sdpa",
+    "sdpa_allowed",
+    "sdpa_weights",
+    "unreadable_attention",
+]
 
 #: The function's name in code, as static detection looks for it.
 SDPA_NAME = "scaled_dot_product_attention"
@@ -101,6 +109,26 @@ def sdpa_weights(
         else:
             scores = scores.add_(attn_mask.to(dtype))
     return torch.softmax(scores, dim=-1)
+
+
+def sdpa_allowed(attn_mask: Tensor | None, is_causal: bool, len_q: int, len_k: int, device: torch.device) -> Tensor:
+    """The keys each query of a ``scaled_dot_product_attention`` call may attend to, ``(B or 1, Lq, Lk)`` bool: where a
+    boolean ``attn_mask`` is True (for some head) or a float one is exactly 0, below the diagonal with ``is_causal``.
+    A float mask's other finite values are biases (ALiBi, relative positions) or masks (``-1e9``), which only the
+    weights can tell apart: such keys are not called allowed here (the accumulator then asks their weights).
+
+    Example:
+        >>> sdpa_allowed(torch.tensor([[0.0, float("-inf"), -0.5]]), False, 1, 3, torch.device("cpu")).tolist()
+        [[[True, False, False]]]
+    """
+    allowed = torch.ones(1, len_q, len_k, dtype=torch.bool, device=device)
+    if is_causal:
+        allowed = allowed.tril_()
+    if attn_mask is not None:
+        free = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        free = free.reshape((1,) * (4 - free.dim()) + tuple(free.shape)).any(dim=1)  # (B or 1, Lq or 1, Lk or 1)
+        allowed = allowed & free
+    return allowed
 
 
 def calls_sdpa(module: nn.Module) -> bool:
@@ -188,8 +216,8 @@ def _full(cell: types.CellType) -> bool:
 
 
 # Consumer of weights: (module name, call index in the batch, module, weights (b, H, Lq, Lk), rows of the call's
-# batch, the call's batch size).
-ChunkConsumer = Callable[[str, int, nn.Module, Tensor, slice, int], None]
+# batch, the call's batch size, the keys the mask allows (b or 1, Lq, Lk)).
+ChunkConsumer = Callable[[str, int, nn.Module, Tensor, slice, int, Tensor], None]
 
 
 class SdpaWatch(TorchFunctionMode):
@@ -272,18 +300,16 @@ class SdpaWatch(TorchFunctionMode):
         itemsize = 8 if query.dtype == torch.float64 else 4
         per_sample = 3 * heads * len_q * key.size(-2) * itemsize  # weights and two temporaries
         step = max(1, self.chunk_bytes // max(per_sample, 1))
+        causal = bool(call.get("is_causal", False))
         with torch.no_grad():
             for start in range(0, batch, step):
                 rows = slice(start, min(start + step, batch))
+                part = _rows_of(mask, rows, batch)
                 weights = sdpa_weights(
-                    query[rows],
-                    key[rows],
-                    _rows_of(mask, rows, batch),
-                    bool(call.get("is_causal", False)),
-                    call.get("scale"),
-                    bool(call.get("enable_gqa", False)),
+                    query[rows], key[rows], part, causal, call.get("scale"), bool(call.get("enable_gqa", False))
                 )
-                self.consumer(name, index, module, weights, rows, batch)
+                allowed = sdpa_allowed(part, causal, weights.size(-2), weights.size(-1), weights.device)
+                self.consumer(name, index, module, weights, rows, batch, allowed)
 
 
 class SdpaCensus(TorchFunctionMode):

@@ -154,6 +154,7 @@ class AttentionAccumulator(SummedMetric):
         pairs: Tensor | None = None,
         hot_cell: int | None = None,
         compiled: bool = False,
+        allowed: Tensor | None = None,
     ) -> None:
         """Add one batch of weights ``(B, H, Lq, Lk)`` with the ``(B, Lq)`` / ``(B, Lk)`` ids and validity of its
         queries and keys (ids in ``[0, Vq)`` / ``[0, Vk)`` at valid positions).
@@ -161,7 +162,8 @@ class AttentionAccumulator(SummedMetric):
         ``pairs`` is :func:`attn_callbacks.functional.pair_index` of the ids, when the caller already has it (it
         depends on the ids only, so modules reading the same streams can share it); computed from the ids when the
         torch kernel needs it. The numba kernel (on CPU, see :func:`attn_callbacks.base.numba_loader.uses_numba`) reads
-        the ids instead. ``hot_cell`` and ``compiled``: see :func:`attn_callbacks.sums.step.accumulate_attention`.
+        the ids instead. ``allowed`` (the keys the attention's mask lets each query see, broadcastable to
+        ``(B, Lq, Lk)``), ``hot_cell`` and ``compiled``: see :func:`attn_callbacks.sums.step.accumulate_attention`.
         """
         if self.summed_in_place:
             raise RuntimeError(
@@ -181,6 +183,7 @@ class AttentionAccumulator(SummedMetric):
             query_valid,
             key_valid,
             key_ids=key_ids,
+            allowed=allowed,
             hot_cell=hot_cell,
             compiled=compiled,
         )

@@ -132,10 +132,12 @@ class EpochSums:
         key: tuple[Tensor, Tensor],
         rows: slice | None = None,
         other: tuple[int, int] | None = None,
+        allowed: Tensor | None = None,
     ) -> None:
         """Add one call's weights ``(b, H, Lq, Lk)`` with the ``(ids, valid)`` of its query and key stream, for the
         samples ``rows`` of the batch (all when None; the later chunks of a call are not another call). ``other``: the
-        accumulated ids of ``<other>`` in both streams, where both are tracked (their cell is summed apart on a GPU)."""
+        accumulated ids of ``<other>`` in both streams, where both are tracked (their cell is summed apart on a GPU).
+        ``allowed``: the keys the call's mask allows, broadcastable to ``(b, Lq, Lk)``, or None."""
         first = rows is None or rows.start == 0
         if first and name in self._calls and name not in self._warned:
             self._warned.add(name)
@@ -159,7 +161,15 @@ class EpochSums:
                 self._pairs[where] = pairs
         hot_cell = None if other is None else other[0] * metric.key_vocab_size + other[1]
         metric.update(
-            weights, query[0], key[0], query[1], key[1], pairs=pairs, hot_cell=hot_cell, compiled=self.compile_step
+            weights,
+            query[0],
+            key[0],
+            query[1],
+            key[1],
+            pairs=pairs,
+            hot_cell=hot_cell,
+            compiled=self.compile_step,
+            allowed=allowed,
         )
 
     def agree(self, device: torch.device) -> dict[str, tuple[int, int, int]]:

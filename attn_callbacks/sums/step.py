@@ -82,6 +82,7 @@ def accumulate_attention(
     key_valid: Tensor,
     *,
     key_ids: Tensor | None = None,
+    allowed: Tensor | None = None,
     hot_cell: int | None = None,
     compiled: bool = False,
 ) -> Tensor:
@@ -111,6 +112,10 @@ def accumulate_attention(
         query_valid: ``(B, Lq)`` bool.
         key_valid: ``(B, Lk)`` bool.
         key_ids: ``(B, Lk)`` integer ids in ``[0, Vk)`` at valid positions, or None with ``pairs``.
+        allowed: bool, broadcastable to ``(B, Lq, Lk)``: the keys each query may attend to by the attention's mask
+            (True: may attend), or None. A valid key is *visible* (it counts in ``U`` and in the maximum entropy
+            ``log n``) when allowed here or when some head gives it a positive weight: without ``allowed``, a key
+            whose weight rounds to 0 in every head (a very sharp softmax) counts as masked.
         hot_cell: the flat index ``a * Vk + b`` of a cell that many pairs hit, such as ``(<other>, <other>)`` of
             tracked streams: off the CPU its pairs are summed apart (see :func:`accumulate_attention_torch`). The
             same sums.
@@ -127,6 +132,8 @@ def accumulate_attention(
     """
     if pairs is None and key_ids is None:
         raise ValueError("accumulate_attention: give `pairs` or `key_ids`, but both were None")
+    if allowed is not None:
+        allowed = _allowed_view(allowed, weights)
     vocab_k = pair_count.numel() // max(query_count.numel(), 1)
     if (
         weights.numel() > 0  # an empty batch: nothing to gain, and the torch path's edge cases hold
@@ -140,7 +147,7 @@ def accumulate_attention(
         from attn_callbacks.sums.step_numba import accumulate_attention_numba
 
         return accumulate_attention_numba(
-            sums, pair_count, query_count, position_sums, weights, query_ids, key_ids, query_valid, key_valid
+            sums, pair_count, query_count, position_sums, weights, query_ids, key_ids, query_valid, key_valid, allowed
         )
     # On CPU, index_add_ adds one pair after another: a hot cell costs nothing there that summing it apart would save.
     hot_cell = None if weights.device.type == "cpu" else hot_cell
@@ -149,7 +156,7 @@ def accumulate_attention(
         pairs = pair_index(query_ids, key_ids, query_valid, key_valid, vocab_q, vocab_k)
     state = (sums, pair_count, query_count, position_sums)
     return accumulate_attention_torch(
-        *state, weights, pairs, query_ids, query_valid, key_valid, hot_cell=hot_cell, compiled=compiled
+        *state, weights, pairs, query_ids, query_valid, key_valid, allowed=allowed, hot_cell=hot_cell, compiled=compiled
     )
 
 
@@ -160,3 +167,18 @@ def _key_ids_from_pairs(pairs: Tensor, query_ids: Tensor, query_valid: Tensor, k
     rows = pairs.gather(1, first[:, None, None].expand(-1, 1, pairs.shape[2]))[:, 0]  # (B, Lk)
     ids = rows - query_ids.long().gather(1, first[:, None]) * vocab_k
     return torch.where(query_valid.any(dim=1)[:, None] & key_valid, ids, 0)
+
+
+def _allowed_view(allowed: Tensor, weights: Tensor) -> Tensor:
+    """``allowed`` expanded to ``(B, Lq, Lk)`` of ``weights (B, H, Lq, Lk)`` (a view), or ``ValueError``."""
+    shape = (weights.size(0), weights.size(2), weights.size(3))
+    try:
+        fits = allowed.dtype == torch.bool and torch.broadcast_shapes(allowed.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"Expected `allowed` to be a bool tensor broadcastable to (B, Lq, Lk) = {shape}, but got "
+            f"{allowed.dtype} of shape {tuple(allowed.shape)}"
+        )
+    return allowed.expand(shape)

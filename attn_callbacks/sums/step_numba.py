@@ -112,11 +112,15 @@ def _scatter(sums, pair_count, base, kid, keys, rows, values, share, size):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
-def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_count, query_count, threads):
+def _accumulate(
+    weights, query_ids, key_ids, query_valid, key_valid, allowed, sums, pair_count, query_count, threads
+):  # pragma: no cover - compiled
     """Add one batch in place; returns the position sums ``(6, H)`` float64 and the number of dropped rows.
 
-    Shapes as in :func:`attn_callbacks.sums.step.accumulate_attention`; ids int64 and in range at valid positions.
+    Shapes as in :func:`attn_callbacks.sums.step.accumulate_attention`; ids int64 and in range at valid positions;
+    ``allowed`` ``(B, Lq, Lk)`` bool, or ``(0, 0, 0)`` when no mask is known (visible: a positive weight only).
     """
+    masked = allowed.shape[0] > 0
     _, heads, len_q, len_k = weights.shape
     channels = sums.shape[0] - 1
     per_head = channels == heads
@@ -135,7 +139,7 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
         # The row as the sums hold it (their dtype: float64 weights may round to 0 or overflow in float32 sums, as
         # in the torch path), 0 at ignored keys: contiguous, and in L1.
         row = np.empty((heads, len_k), sums.dtype)
-        top = np.empty(len_k, sums.dtype)  # max over heads per key (ignored keys too): visible when > 0
+        top = np.empty(len_k, sums.dtype)  # max over heads per key (ignored keys too): visible when > 0 (or allowed)
         size = np.empty(len_k, sums.dtype)  # max over heads of |w| per key: nothing to add to S when 0 (causal)
         share = np.empty(len_k)  # the row's part of U per key: 1 / visible keys where visible
         mass = np.empty(heads)  # row sum over the valid keys, per head
@@ -184,6 +188,9 @@ def _accumulate(weights, query_ids, key_ids, query_valid, key_valid, sums, pair_
             keep = finite and top.max() > 0  # like the torch path: a positive weight at any key
             if keep:
                 query_count[a] += 1
+                if masked:  # a key the mask allows is visible even where its weight rounded to 0 in every head
+                    for j in range(len_k):
+                        top[j] = 1.0 if allowed[n, i, j] else top[j]
                 num_visible = 0
                 for j in range(len_k):
                     num_visible += kv[j] and top[j] > 0
@@ -253,6 +260,7 @@ def accumulate_attention_numba(
     key_ids: Tensor,
     query_valid: Tensor,
     key_valid: Tensor,
+    allowed: Tensor | None = None,
 ) -> Tensor:
     """:func:`attn_callbacks.sums.step.accumulate_attention` on CPU tensors, from the key ids rather than a pair index.
 
@@ -288,12 +296,18 @@ def accumulate_attention_numba(
     # A fixed set of argument types, so that one compiled (and cached) specialisation serves nearly every call.
     if weights.dtype not in (torch.float32, torch.float64):
         weights = weights.float()  # exact for half and bfloat16
+    allowed = (
+        torch.zeros(0, 0, 0, dtype=torch.bool)
+        if allowed is None
+        else allowed.detach().to(torch.bool).expand(batch, len_q, len_k)  # (B, Lq, Lk)
+    )
     arrays = [
         weights.detach().contiguous().numpy(),
         query_ids.detach().to(torch.int64).contiguous().numpy(),
         key_ids.detach().to(torch.int64).contiguous().numpy(),
         query_valid.detach().to(torch.bool).contiguous().numpy(),
         key_valid.detach().to(torch.bool).contiguous().numpy(),
+        allowed.contiguous().numpy(),
     ]
     for name, ids, valid, size in (
         ("query_ids", arrays[1], arrays[3], vocab_q),

@@ -40,6 +40,7 @@ def accumulate_attention_torch(
     query_valid: Tensor,
     key_valid: Tensor,
     *,
+    allowed: Tensor | None = None,
     hot_cell: int | None = None,
     compiled: bool = False,
 ) -> Tensor:
@@ -76,12 +77,12 @@ def accumulate_attention_torch(
     if compiled:
         from attn_callbacks.sums.step_compiled import batch_terms_compiled
 
-        terms = batch_terms_compiled(weights, query_valid, key_valid, distance, hot, channels, dtype)
+        terms = batch_terms_compiled(weights, query_valid, key_valid, distance, hot, channels, dtype, allowed)
     if terms is not None:  # the whole batch as one chunk
         rows, kept, planes, part, hot_sums, skipped = terms
         chunks: Iterable[tuple[slice, Tensor, Tensor, Tensor | None]] = [(slice(0, batch), planes, part, hot_sums)]
     else:
-        rows, kept, visible, num_visible, skipped = row_masks(weights, query_valid, key_valid, dtype)
+        rows, kept, visible, num_visible, skipped = row_masks(weights, query_valid, key_valid, dtype, allowed)
         masks = (kept, visible, num_visible)
         chunks = _chunks(weights, masks, distance, channels, hot)
     # Dropped and ignored rows add 0 (ignored positions may hold any id: -100 for padding, say), at the id of their
@@ -141,29 +142,32 @@ def batch_terms(
     hot: Tensor | None,
     channels: int,
     dtype: torch.dtype,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """:func:`row_masks` and :func:`chunk_planes` of a whole batch, as one function for ``torch.compile`` (see
     :mod:`attn_callbacks.sums.step_compiled`): ``(rows, kept, planes, part, hot_sums, skipped)``."""
-    rows, kept, visible, num_visible, skipped = row_masks(weights, query_valid, key_valid, dtype)
+    rows, kept, visible, num_visible, skipped = row_masks(weights, query_valid, key_valid, dtype, allowed)
     planes, part, hot_sums = chunk_planes(weights, kept, visible, num_visible, distance, channels, exact=True, hot=hot)
     return rows, kept, planes, part, hot_sums, skipped
 
 
 def row_masks(
-    weights: Tensor, query_valid: Tensor, key_valid: Tensor, dtype: torch.dtype
+    weights: Tensor, query_valid: Tensor, key_valid: Tensor, dtype: torch.dtype, allowed: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Which rows and pairs of a batch ``weights (B, H, Lq, Lk)`` count: ``(rows (B, Lq), kept (B, Lq, Lk), visible
     (B, Lq, Lk), num_visible (B, Lq), skipped ())``. A valid query row is kept unless some head's weight in it is not
     finite or no weight in it is positive (as ``dtype`` stores it), which ``skipped`` counts; ``kept`` pairs a kept
-    row with a valid key, ``visible`` those of positive weight in some head, ``num_visible`` counts them (1 for a
-    row with none: such a row adds nothing to ``U``, and ``log 1 = 0`` to the maximum entropy)."""
+    row with a valid key, ``visible`` those that ``allowed`` (the call's mask, broadcastable to ``(B, Lq, Lk)``, or
+    None) allows or some head gives a positive weight, ``num_visible`` counts them (1 for a row with none: such a row
+    adds nothing to ``U``, and ``log 1 = 0`` to the maximum entropy)."""
     finite = torch.isfinite(weights.sum(dim=-1)).all(dim=1)  # (B, Lq): a sum is finite iff every term is
     positive = weights.amax(dim=1).to(dtype) > 0  # (B, Lq, Lk): some head's weight, non-zero as stored in the sums
     usable = finite & positive.any(dim=-1)
     rows = query_valid & usable
     skipped = (query_valid & ~usable).sum()
     kept = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
-    visible = positive & kept
+    # A key the mask allows but whose weight rounded to 0 in every head (a sharp softmax) is still visible.
+    visible = (positive if allowed is None else positive | allowed) & kept
     num_visible = visible.sum(dim=-1, dtype=dtype).clamp_(min=1)  # (B, Lq)
     return rows, kept, visible, num_visible, skipped
 
