@@ -216,6 +216,20 @@ def test_position_statistics_normalised_entropy_at_most_one_when_ignored_keys_we
         F.pagerank(torch.tensor(1.0))
 
 
+def test_mean_lift_of_a_large_float32_vocabulary_equals_float64():
+    """Σ S log S and Σ S log U are large and close: the second, a float32 matrix-vector product over 9 million cells,
+    was 1.5e-4 of the lift off at 3,000 ids. Summed in float64 it equals the float64 evaluation (1e-6)."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 3000
+    counts = torch.randint(1, 100_000, (vocab,), generator=g).float()
+    raw = torch.rand(1, vocab, vocab, generator=g) ** 4
+    S = raw / raw.sum(-1, keepdim=True) * counts[:, None]
+    U = torch.rand(vocab, vocab, generator=g) + 0.5
+    U = U / U.sum(-1, keepdim=True) * counts[:, None]
+    exact = F.mean_lift(S.double(), U.double())
+    assert float(F.mean_lift(S, U)) == pytest.approx(float(exact), rel=1e-6)
+
+
 def test_mean_lift_refuses_a_plogp_that_is_not_one_value_per_row():
     sums, uniform = torch.rand(2, 3, 3), torch.rand(3, 3)
     torch.testing.assert_close(F.mean_lift(sums, uniform, F.row_plogp(sums)), F.mean_lift(sums, uniform))

@@ -7,7 +7,6 @@ Notation (see docs/reading.md): ``S`` attention sum, ``C`` pair count, ``Q`` que
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +140,10 @@ def lift(attention_sum: Tensor, uniform_sum: Tensor) -> Tensor:
     return safe_divide(attention_sum, uniform_sum)
 
 
+# Bytes of a float64 block of rows of the sums that mean_lift converts at a time.
+_FLOAT64_BLOCK_BYTES = 64 << 20
+
+
 def mean_lift(attention_sum: Tensor, uniform_sum: Tensor, plogp: Tensor | None = None) -> Tensor:
     """Attention-weighted geometric mean lift: ``exp(Σ_ab S[a, b] log(S[a, b] / U[a, b]) / Σ_ab S[a, b])``.
 
@@ -163,11 +166,15 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor, plogp: Tensor | None =
         2.0
     """
     # Σ S log(S / U) = Σ S log S - Σ S log U: where S > 0, U > 0 too (attention only lands on visible keys), and
-    # cells with S = 0 add 0 to both. log U is shared by every head: one matrix-vector product per head.
-    tiny = torch.finfo(attention_sum.dtype).tiny
-    # log2 then * ln 2, as in x_log_x: log2 is vectorised on CPU where log is not.
-    log_uniform = uniform_sum.to(attention_sum.dtype).clamp(min=tiny).log2().mul_(math.log(2.0)).reshape(-1)
-    flat = attention_sum.reshape(-1, log_uniform.numel())  # (..., Vq * Vk) -> (prod(...), Vq * Vk)
+    # cells with S = 0 add 0 to both. The two are large and close for a lift near 1: Σ S log U is summed in float64
+    # (in float32 its rounding was 1e-3 of the log lift at 8,000 ids), a block of rows at a time.
+    tiny = torch.finfo(torch.float64).tiny
+    rows_at_once = max(1, _FLOAT64_BLOCK_BYTES // max(8 * attention_sum[..., :1, :].numel(), 1))
+    s_log_u = sum_by_blocks(
+        lambda r: (attention_sum[..., r, :].double() * uniform_sum[r].double().clamp(min=tiny).log()).sum((-2, -1)),
+        (slice(a, a + rows_at_once) for a in range(0, attention_sum.shape[-2], rows_at_once)),
+        attention_sum.new_zeros(attention_sum.shape[:-2]),
+    )
     if plogp is None:
         s_log_s = sum_by_blocks(
             lambda r: x_log_x(attention_sum[..., r, :]).sum(dim=-1),
@@ -184,8 +191,8 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor, plogp: Tensor | None =
         # A float32 row sum then float64: sum(dtype=float64) would first copy all of S to float64 (~40x slower).
         rows = attention_sum.sum(dim=-1).double()  # (..., Vq)
         s_log_s = (rows * (rows.clamp(min=torch.finfo(torch.float64).tiny).log() + plogp.double())).sum(dim=-1)
-    exponent = safe_divide(s_log_s.reshape(-1) - (flat @ log_uniform).double(), flat.sum(dim=-1).double())
-    return torch.exp(exponent.reshape(attention_sum.shape[:-2])).to(attention_sum.dtype)
+    exponent = safe_divide(s_log_s - s_log_u, attention_sum.sum(dim=(-2, -1)).double())
+    return torch.exp(exponent).to(attention_sum.dtype)
 
 
 def position_statistics(position_sums: Tensor, query_count: Tensor) -> dict[str, Tensor]:
