@@ -274,7 +274,10 @@ def test_callback_an_epoch_a_module_saw_nothing_of_is_no_drift_snapshot_for_it(t
         for layer in (0, 1):
             tag = f"attention_drift_tokens/encoder.layers.{layer}.self_attn/text_summary"
             headers[layer] = events.Tensors(tag)[-1].tensor_proto.string_val[0].decode().splitlines()[0]
-        assert headers[0] == "| query token | JS vs epoch 0 | JS vs epoch 1 | top key now | top key then | Q now |"
-        assert headers[1] == headers[0].replace(" JS vs epoch 1 |", "")
+        assert headers[0] == (
+            "| query token | JS vs reference (epoch 0) | JS vs previous (epoch 1) | top key now | top key at reference "
+            "| Q now |"
+        )
+        assert headers[1] == headers[0].replace(" JS vs previous (epoch 1) |", "")
         (frobenius,) = values("frobenius_ref", 1)
     assert frobenius == pytest.approx(float((p[2] - p[then]).norm() / p[then].norm()), rel=1e-4) and frobenius > 0

@@ -27,6 +27,24 @@ def test_find_attention_modules_errors_name_the_pattern_and_model():
         find_attention_modules(model, ["nothing.*"])
 
 
+class AttendsItself(nn.Module):
+    """Calls scaled_dot_product_attention in its own forward (a LightningModule's validation_step, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, dim=-1)
+        return torch.nn.functional.scaled_dot_product_attention(q[:, None], k[:, None], k[:, None])
+
+
+def test_a_model_calling_sdpa_itself_is_told_to_move_the_attention_into_a_module():
+    said = r"\(AttendsItself\); AttendsItself itself calls scaled_dot_product_attention.*into an nn.Module of its own"
+    with pytest.raises(ValueError, match=said):
+        find_attention_modules(AttendsItself())
+
+
 def test_wrapper_parts_never_reach_a_name_and_patterns_match_the_clean_names():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -181,3 +181,19 @@ def test_streams_uint64_ids_past_int64_match_no_ignore_id_and_are_refused_as_the
     assert _read(Streams("x", 10, ignore_ids=[-100], validate_args=False), ids)[1].tolist() == [[True, True]]
     with pytest.raises(ValueError, match=f"Token id {2**64 - 100} of stream 'tokens' is outside"):
         _read(Streams("x", 10, ignore_ids=[-100]), ids)
+
+
+def test_streams_say_when_a_label_list_and_the_vocabulary_differ_in_length(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        Streams("x", 12, id_to_token=["a", "b"])
+        Streams("x", 2, id_to_token=["a", "b", "c"])
+        Streams("x", 2, id_to_token=["a", "b"])  # as many: nothing to say
+    said = [record.getMessage() for record in caplog.records if "id_to_token" in record.getMessage()]
+    assert said == [
+        "AttentionMonitor: argument `id_to_token` has 2 labels for the 12 ids of stream 'tokens' (`vocab_size`): "
+        "ids from 2 on are shown as numbers",
+        "AttentionMonitor: argument `id_to_token` has 3 labels for the 2 ids of stream 'tokens' (`vocab_size`): "
+        "labels from 2 on are never shown",
+    ]

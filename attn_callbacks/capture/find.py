@@ -82,9 +82,16 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     hf_modules = output_indices(model)
     found = _candidates(named, hf_modules)
     if not found:
+        itself = (
+            f"; {type(model).__name__} itself calls scaled_dot_product_attention, but attention is read from the "
+            "modules inside the model: move it into an nn.Module of its own, stored on the model"
+            if calls_sdpa(model)
+            else ""
+        )
         raise ValueError(
             "No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
-            f"scaled_dot_product_attention found in the model ({type(model).__name__}){hf.unsupported_hint(model)}"
+            f"scaled_dot_product_attention found in the model ({type(model).__name__}){itself}"
+            f"{hf.unsupported_hint(model)}"
         )
     if patterns is not None:
         found = _filter(named, found, patterns)

@@ -67,6 +67,17 @@ class Streams:
         self.masks: dict[str, TokenSource] = mask_getters(token_mask, self.names)
         self.vocab = resolve_vocab_sizes(vocab_size, self.names)
         self.labels = labels_per_stream(id_to_token, self.names)
+        for stream, labels in self.labels.items():
+            if isinstance(labels, Sequence) and not isinstance(labels, str) and len(labels) != self.vocab[stream]:
+                rank_zero_info(
+                    f"AttentionMonitor: argument `id_to_token` has {len(labels)} labels for the {self.vocab[stream]} "
+                    f"ids of stream {stream!r} (`vocab_size`): "
+                    + (
+                        f"ids from {len(labels)} on are shown as numbers"
+                        if len(labels) < self.vocab[stream]
+                        else f"labels from {self.vocab[stream]} on are never shown"
+                    )
+                )
         self.ignore_ids = int_list("ignore_ids", ignore_ids)
         self.batch_first = batch_first
         self.validate_args = validate_args

@@ -410,10 +410,10 @@ def _drift_table(
         rows = [(*row[:2], js, *row[2:]) for row, js in zip(rows, prev_js, strict=True)]
     header = (
         "query token",
-        f"JS vs epoch {epochs[0]}",
-        *([f"JS vs epoch {epochs[1]}"] if previous else []),
+        f"JS vs reference (epoch {epochs[0]})",
+        *([f"JS vs previous (epoch {epochs[1]})"] if previous else []),
         "top key now",
-        "top key then",
+        "top key at reference",
         "Q now",
     )
     return markdown_table(header, rows) if rows else "No query token seen often enough."

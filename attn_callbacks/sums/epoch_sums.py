@@ -49,12 +49,13 @@ class EpochSums:
         }
 
     def check_budget(self, shapes: Mapping[str, tuple[int, int, int]], loaders: int, log: bool = True) -> None:
-        """Log the bytes the sums will hold (once, and again when they grow: SDPA calls allocate theirs at the first
-        call), and refuse with the figure and the knobs when over budget."""
+        """Log the bytes the sums will hold (once, and again when the figure changes: SDPA calls allocate theirs at the
+        first call; a tracked stream counts with its limit until its ids are chosen, often fewer), and refuse with the
+        figure and the knobs when over budget."""
         per_module = self.state_bytes(shapes, loaders)
         total = sum(per_module.values())
         budget = self.memory_budget
-        if log and total > self._logged_total and loaders > 0 and per_module:
+        if log and total != self._logged_total and loaders > 0 and per_module:
             self._logged_total = total
             rank_zero_info(
                 f"AttentionMonitor: {len(per_module)} attention module(s) × {loaders} dataloader(s) will hold "
