@@ -5,6 +5,7 @@ import copy
 import csv
 import io
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,19 @@ def test_callback_tables_show_whole_labels(tmp_path):
         text = events.Tensors(f"attention_{table}/encoder.layers.0.self_attn/text_summary")[-1]
         rows = table_cells(text.tensor_proto.string_val[0].decode())
         assert rows and all(cell in labels for row in rows for cell in row[:columns]), table
+
+
+def test_padding_the_monitor_was_not_told_of_is_named_once(tmp_path):
+    """Without `ignore_ids`, the pad id stands in the sequences (C > 0) but no query sees it (the model's padding mask:
+    U = 0): one warning names it and both fixes. Told of it, nothing is said."""
+    said = {}
+    for case, kwargs in (("untold", {}), ("told", {"ignore_ids": [PAD]})):
+        seed_everything(0)
+        monitor = AttentionMonitor(VOCAB, "input_ids", id_to_token=[f"w{i}" for i in range(VOCAB)], **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(tmp_path / case, [monitor]).validate(TinyEncoder(), loaders()[1])
+        said[case] = [str(w.message) for w in caught if "no query ever saw them" in str(w.message)]
+    assert said["told"] == [] and len(said["untold"]) == 1
+    assert "key token(s) ['w0'] of stream 'tokens'" in said["untold"][0]
+    assert "`ignore_ids`" in said["untold"][0] and "`token_mask`" in said["untold"][0]

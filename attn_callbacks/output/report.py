@@ -263,6 +263,8 @@ class Reporter:
         scalars = {layer_tag(prefix, key, layer) + suffix: value for key, value in summary.layer.items()}
         log_layer(pl_module, scalars, self.background.later)
         self.warnings.health(name, summary.heads.get("position/entropy_normalized"), int(stats.skipped_rows))
+        label = functools.partial(self.streams.label, stream=streams[1])
+        self.warnings.hidden_keys(name, streams[1], stats.pair_count, stats.uniform_sum, label)
         if writer is not None:
             views.append(
                 ModuleView(writer, name, layer, streams, stats, mass, reference, summary.drifts, step, prefix, suffix)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -138,6 +140,27 @@ class Warnings:
                 f"AttentionMonitor: {skipped_rows} query rows of attention module {name!r} had non-finite "
                 "or all-zero weights (fully masked rows? padding that neither `ignore_ids` nor `token_mask` leaves "
                 "out?) and were left out of the sums",
+            )
+
+    def hidden_keys(
+        self, name: str, stream: str, pair_count: Tensor, uniform_sum: Tensor, label: Callable[[list[int]], list[str]]
+    ) -> None:
+        """Key ids of ``stream`` that stood beside queries in module ``name`` (``C > 0``) but were never visible to any
+        (``U = 0``: masked at every position, or weight 0 in every head): padding the monitor was not told of, whose
+        positions still count as queries. Looked for in the first module read with each key stream only."""
+        if f"checked:{stream}" in self._said:
+            return
+        self._said.add(f"checked:{stream}")
+        hidden = (pair_count.sum(dim=0) > 0) & (uniform_sum.sum(dim=0) == 0)  # (Vk,)
+        ids = hidden.nonzero()[:, 0].tolist()
+        if ids:
+            self.once(
+                f"hidden:{stream}",
+                f"AttentionMonitor: key token(s) {label(ids[:5])}{' ...' if len(ids) > 5 else ''} of stream "
+                f"{stream!r} stood in attention module {name!r}'s sequences but no query ever saw them (masked "
+                "everywhere, or weight 0 in every head): padding the monitor was not told of? Their positions still "
+                "count as query tokens, in every map and number: add them to `ignore_ids`, or give the batch's "
+                "padding mask as `token_mask`.",
             )
 
     def explorer_name(self, view: str) -> None:
