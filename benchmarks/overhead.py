@@ -90,7 +90,7 @@ class WeightsReader(Callback):
 
     def on_validation_epoch_start(self, trainer, pl_module):
         modules = find_attention_modules(pl_module)
-        self.capture = AttentionCapture(modules, lambda name, module, weights, rows, batch: weights.sum())
+        self.capture = AttentionCapture(modules, lambda name, module, weights, *where: weights.sum())
         self.capture.attach()
 
     def on_validation_batch_start(self, *args, **kwargs):

@@ -26,7 +26,8 @@ def test_warnings_warns_of_silent_modules_once_per_set_of_names():
 def test_warnings_says_why_an_epoch_has_nothing_to_log():
     said = Warnings(0.1)
     assert "no batch ran" in caught(lambda: said.nothing_seen(0, some_module_ran=False))[0]
-    assert "every id in `ignore_ids`?" in caught(lambda: said.nothing_seen(2, some_module_ran=True))[0]
+    (why,) = caught(lambda: said.nothing_seen(2, some_module_ran=True))
+    assert "every id in `ignore_ids`, or masked by `token_mask`?" in why
     assert caught(lambda: said.nothing_seen(2, some_module_ran=True)) == []  # once
     assert caught(lambda: Warnings(0.1).nothing_seen(2, some_module_ran=False)) == []  # silent modules said so
 
