@@ -294,3 +294,15 @@ def test_mha_allowed_reads_boolean_and_float_attention_and_padding_masks_per_cal
     assert unbatched.tolist() == [[[True, True, False]] * 3]
     nested = torch.nested.nested_tensor([torch.zeros(3, 8), torch.zeros(2, 8)])
     assert mha_allowed({"query": nested}, weights) is None  # its padding mask was dropped: the weights tell
+
+
+def test_mha_allowed_lets_the_keys_add_bias_kv_and_add_zero_attn_append_be_seen():
+    attention = nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True, batch_first=True).eval()
+    x = torch.randn(2, 4, 8)
+    padding = torch.tensor([[False, False, False, True], [False] * 4])
+    with torch.no_grad():
+        _, weights = attention(x, x, x, key_padding_mask=padding, average_attn_weights=False)  # (2, 2, 4, 6)
+    allowed = mha_allowed({"query": x, "key_padding_mask": padding, "attn_mask": torch.zeros(4, 4)}, weights)
+    assert allowed.shape == (2, 4, 6)
+    assert allowed[0, 0].tolist() == [True, True, True, False, True, True] and allowed[1].all()
+    assert torch.equal(allowed, weights.amax(dim=1) > 0)  # the masked key alone gets no weight

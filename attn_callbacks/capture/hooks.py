@@ -293,14 +293,20 @@ def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:
     allowed = torch.ones(1, len_q, len_k, dtype=torch.bool, device=weights.device)
     attn_mask, padding = call.get("attn_mask"), call.get("key_padding_mask")
     if attn_mask is not None:
-        free = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        free = _with_added_keys(~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0, len_k)
         if free.dim() == 3:  # (B * H, Lq, Lk): allowed for some head
             free = free.view(-1, weights.size(-3), len_q, len_k).any(dim=1)
         allowed = allowed & free.to(weights.device)
     if padding is not None:
-        free = ~padding if padding.dtype == torch.bool else padding == 0
+        free = _with_added_keys(~padding if padding.dtype == torch.bool else padding == 0, len_k)
         allowed = allowed & free.to(weights.device).view(-1, 1, len_k)  # (B, 1, Lk); (1, 1, Lk) unbatched
     return allowed
+
+
+def _with_added_keys(free: Tensor, len_k: int) -> Tensor:
+    """A mask over the caller's keys, allowing the keys ``add_bias_kv`` / ``add_zero_attn`` append after them."""
+    missing = len_k - free.size(-1)
+    return torch.nn.functional.pad(free, (0, missing), value=True) if missing > 0 else free
 
 
 def _leave(mode: torch.overrides.TorchFunctionMode) -> bool:

@@ -181,4 +181,4 @@ def _allowed_view(allowed: Tensor, weights: Tensor) -> Tensor:
             f"Expected `allowed` to be a bool tensor broadcastable to (B, Lq, Lk) = {shape}, but got "
             f"{allowed.dtype} of shape {tuple(allowed.shape)}"
         )
-    return allowed.expand(shape)
+    return allowed.to(weights.device).expand(shape)
