@@ -168,7 +168,7 @@ def mean_lift(attention_sum: Tensor, uniform_sum: Tensor, plogp: Tensor | None =
     # Σ S log(S / U) = Σ S log S - Σ S log U: where S > 0, U > 0 too (attention only lands on visible keys), and
     # cells with S = 0 add 0 to both. The two are large and close for a lift near 1: Σ S log U is summed in float64
     # (in float32 its rounding was 1e-3 of the log lift at 8,000 ids), a block of rows at a time.
-    tiny = torch.finfo(torch.float64).tiny
+    tiny = torch.finfo(torch.float32).tiny  # U = 0 where S = 0; the numba pass clamps it alike
     rows_at_once = max(1, _FLOAT64_BLOCK_BYTES // max(8 * attention_sum[..., :1, :].numel(), 1))
     s_log_u = sum_by_blocks(
         lambda r: (attention_sum[..., r, :].double() * uniform_sum[r].double().clamp(min=tiny).log()).sum((-2, -1)),
