@@ -109,7 +109,7 @@ def _add_row(sums, pair_count, base, kid, keys, values, share, size):  # pragma:
             end += 1
         cell = base + kid[j]
         pair_count[cell] += end - k
-        if end == k + 1:  # one position: as it is
+        if end == k + 1:  # one position, as it is: the loops below made the kernel 1.4x slower for uniform ids
             if share[j] > 0:
                 sums[channels, cell] += share[j]
             if size[j] != 0:  # every head 0 at this key (causal): nothing to add
