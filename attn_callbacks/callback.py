@@ -115,8 +115,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         read = {stream: self._streams.read(stream, pl_module.device) for stream in self._streams.used()}
         first = batch_idx == 0 and dataloader_idx == 0 and not (trainer.sanity_checking or trainer.testing)
         if self.probe == "first" and first:
-            ids, valid = ({s: parts[k] for s, parts in read.items()} for k in (2, 1))
-            self._probe.capturing = self._probe.match(ids, valid)
+            self._probe.capturing = self._probe.match(read)
 
     @override
     def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:  # (trainer, pl_module, outputs, batch, ...)

@@ -86,14 +86,15 @@ def test_probe_keep_assembles_the_samples_from_calls_a_few_samples_at_a_time():
 
 
 def _match(probe, ids):
-    return probe.match(ids, {stream: torch.ones_like(t, dtype=torch.bool) for stream, t in ids.items()})
+    """``probe.match`` of a batch whose positions all count, as ``Streams.read`` gives each stream."""
+    return probe.match({stream: (t, torch.ones_like(t, dtype=torch.bool), t) for stream, t in ids.items()})
 
 
 def test_probe_match_freezes_a_copy_of_the_first_samples_and_their_valid_positions():
     probe = Probe("first", samples=2)
     ids = {"src": torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])}
     valid = {"src": ids["src"] < 6}
-    assert probe.match(ids, valid)
+    assert probe.match({"src": (ids["src"], valid["src"], ids["src"])})
     ids["src"][0, 0], valid["src"][0, 0] = 9, False  # the loader's tensors change later: the frozen ones do not
     assert probe.ids["src"].tolist() == [[1, 2, 3], [4, 5, 6]]
     assert probe.valid["src"].tolist() == [[True, True, True], [True, True, False]]

@@ -64,12 +64,12 @@ class Probe:
         part = weights[: self.samples - start].detach().float().cpu()
         self.weights[name] = part if start == 0 else torch.cat([self.weights[name], part])
 
-    def match(self, ids: Mapping[str, Tensor], valid: Mapping[str, Tensor]) -> bool:
-        """Freeze the probe at its first sight (``ids`` and the ``valid`` positions of every stream); afterwards,
-        whether batch 0 still starts with the same samples."""
-        head = {stream: t[: self.samples].detach().cpu() for stream, t in ids.items()}
+    def match(self, read: Mapping[str, tuple[Tensor, Tensor, Tensor]]) -> bool:
+        """Freeze the probe at its first sight (``read``: each stream's :meth:`Streams.read`, whose ids as in the
+        batch and valid positions it keeps); afterwards, whether batch 0 still starts with the same samples."""
+        head = {stream: ids[: self.samples].detach().cpu() for stream, (_, _, ids) in read.items()}
         if self.ids is None:
-            self._freeze(ids, valid)
+            self._freeze(read)
             return True
         same = head.keys() == self.ids.keys() and all(torch.equal(head[s], self.ids[s]) for s in head)
         if not same and not self._warned:
@@ -93,7 +93,7 @@ class Probe:
                     f"AttentionMonitor: the probe batch given in argument `probe` does not hold the token ids "
                     f"`token_ids` reads from every validation batch: {error}"
                 ) from error
-            self._freeze({s: ids for s, (_, _, ids) in read.items()}, {s: valid for s, (_, valid, _) in read.items()})
+            self._freeze(read)
             self.only = True
             self.weights.clear()
             with torch.no_grad():
@@ -109,8 +109,8 @@ class Probe:
                 "by `modules`)?"
             )
 
-    def _freeze(self, ids: Mapping[str, Tensor], valid: Mapping[str, Tensor]) -> None:
-        def head(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-            return {stream: t[: self.samples].detach().cpu().clone() for stream, t in tensors.items()}  # not views
+    def _freeze(self, read: Mapping[str, tuple[Tensor, Tensor, Tensor]]) -> None:
+        def head(part: int) -> dict[str, Tensor]:  # copies, not views
+            return {stream: parts[part][: self.samples].detach().cpu().clone() for stream, parts in read.items()}
 
-        self.ids, self.valid = head(ids), head(valid)
+        self.ids, self.valid = head(2), head(1)
