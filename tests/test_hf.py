@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -575,3 +576,84 @@ def test_hf_seq2seq_with_one_token_stream_is_refused_naming_a_decoder_module(tmp
     trainer = Trainer(default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=[monitor], logger=False)
     with pytest.raises(MisconfigurationException, match=r"'model\..*decoder.*' is a decoder's self-attention"):
         trainer.validate(Generating(generative(kind, "eager")), DataLoader(batches, batch_size=None), verbose=False)
+
+
+def test_hf_sharp_eager_gpt2_counts_every_key_its_attention_mask_allows_in_the_baseline(tmp_path):
+    """A sharp eager GPT-2 (query projection scaled up: float32 rounds most causal keys' weights to exactly 0 in every
+    head) left-padded: U and Σ log n count the keys its attention_mask allows (causal, not padding), read from the
+    call, as the float64 twin's weights show them. Weights alone would call the rounded keys masked."""
+    from _reference import naive_position_sums, naive_uniform
+
+    g, batches = torch.Generator().manual_seed(7), []
+    for _ in range(3):
+        ids = torch.randint(3, VOCAB, (4, LENGTH), generator=g)
+        mask = torch.ones_like(ids)
+        ids[1::2, :2], mask[1::2, :2] = PAD, 0  # left-padded
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    model = generative("gpt2", "eager")
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, :32] *= 200  # Conv1D (in, 3 * out): the query and key columns
+    monitor = AttentionMonitor(VOCAB, "input_ids", token_mask="attention_mask", export="pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate(tmp_path, monitor, model, batches, wrapper=Generating)
+    assert not [w for w in caught if "attention mask" in str(w.message)]  # the mask explains the weights
+    record = load_epoch(next((tmp_path / "tb").rglob("*.pt")))
+    U = torch.zeros(LAYERS, VOCAB, VOCAB, dtype=torch.float64)
+    position = torch.zeros(LAYERS, 6, HEADS, dtype=torch.float64)
+    underflowed = 0
+    for batch in batches:
+        ids, real = batch["input_ids"], batch["attention_mask"].bool()
+        allowed = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril() & real[:, None, :]
+        for layer, weights in enumerate(eager_weights("gpt2", model, batch).values()):
+            assert ((weights.amax(dim=1) > 0) == allowed)[real].all()  # float64: no allowed key rounds to 0
+            underflowed += int((allowed & (weights.float().amax(dim=1) == 0))[real].sum())
+            U[layer] += naive_uniform(weights, ids, ids, real, real, VOCAB, VOCAB)
+            position[layer] += naive_position_sums(weights, real, real)
+    assert underflowed > 50
+    for layer in range(LAYERS):
+        stats = record.modules[f"model.transformer.h.{layer}.attn"]
+        torch.testing.assert_close(stats.uniform_sum.double(), U[layer], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stats.position_sums[1].double(), position[layer, 1], rtol=1e-5, atol=1e-5)
+
+
+class MaskPlusBias(torch.nn.Module):
+    """An eager attention module of a family that adds a bias besides its attention_mask: the mask does not explain
+    its weights (positive where it masks)."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        scores = hidden_states @ hidden_states.transpose(-1, -2)  # (B, L, L)
+        weights = scores.softmax(dim=-1)[:, None].expand(-1, 2, -1, -1)  # every key weighed
+        return hidden_states, weights
+
+
+def test_hf_eager_module_whose_mask_misses_its_weights_is_warned_about_and_read_by_its_weights():
+    """A module's first call with a mask checks it against the weights. A mask that masks keys the module weighs is
+    not read then or later (warned once, naming the module): `allowed` is None and the weights alone tell which keys
+    were visible. One that explains the weights is passed on, and not checked again (one sync per module)."""
+    from attn_callbacks.capture.hooks import AttentionCapture
+
+    module, seen = MaskPlusBias(), []
+    capture = AttentionCapture({"attn": module}, lambda *call: seen.append(call[5]), output_index={"attn": 1})
+    x = torch.randn(2, 3, 4)
+    causal = torch.zeros(1, 1, 3, 3).masked_fill_(torch.ones(3, 3, dtype=torch.bool).triu(1), -1e9)
+    with warnings.catch_warnings(record=True) as caught, capture:
+        warnings.simplefilter("always")
+        module(x, attention_mask=torch.zeros(2, 1, 3, 3))  # allows every key: explains the weights
+        module(x, causal)  # positional; masks keys the module weighs
+        module(x, attention_mask=causal)
+    assert seen[0].shape == (2, 3, 3) and bool(seen[0].all())
+    tril = torch.ones(3, 3, dtype=torch.bool).tril()
+    assert all(torch.equal(allowed, tril.expand(1, 3, 3)) for allowed in seen[1:])  # trusted after the first check
+    assert not [w for w in caught if "attention mask" in str(w.message)]
+    fresh, seen2 = MaskPlusBias(), []
+    capture = AttentionCapture({"attn": fresh}, lambda *call: seen2.append(call[5]), output_index={"attn": 1})
+    with warnings.catch_warnings(record=True) as caught, capture:
+        warnings.simplefilter("always")
+        fresh(x, causal)
+        fresh(x, attention_mask=torch.zeros(2, 1, 3, 3))
+        fresh(x)  # no mask
+    assert seen2 == [None, None, None]
+    said = [str(w.message) for w in caught if "attention mask" in str(w.message)]
+    assert len(said) == 1 and "'attn' (MaskPlusBias) gave positive weights to keys its attention mask masks" in said[0]

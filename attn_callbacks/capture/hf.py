@@ -15,14 +15,17 @@ Nothing here imports ``transformers``: a model can only hold its modules if the 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 __all__ = [
     "attention_outputs",
     "attention_records",
     "check_readable",
+    "eager_allowed",
     "implementation",
     "missing_key_hint",
     "no_weights_message",
@@ -177,6 +180,40 @@ def no_weights_message(
         '`from_pretrained(..., attn_implementation="sdpa")` (or "eager"; or a config saying so), '
         'or call `model.set_attn_implementation("sdpa")` before training'
     )
+
+
+def eager_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:
+    """The keys each query of a Hugging Face eager attention call (its bound arguments ``call``) may attend to,
+    ``(B or 1, Lq, Lk)`` bool, for its weights ``(B, H, Lq, Lk)``; None where the call holds no such mask.
+
+    In transformers >= 5 an eager module adds the mask it is handed to its scores: ``attention_mask`` (GPT-2's
+    cross-attention: ``encoder_attention_mask``), ``(B or 1, 1 or H, Lq, Lk)``, 0 where a key is allowed and the
+    dtype's minimum where not, causal and sliding windows included; a bool mask is True where allowed, as SDPA's.
+    A mask of another shape is not read, and :func:`mask_explains` checks the mask against the weights (a family that
+    folds a bias into its mask fails it).
+
+    Example:
+        >>> mask = torch.tensor([0.0, torch.finfo(torch.float32).min]).expand(1, 1, 2, 2)
+        >>> eager_allowed({"attention_mask": mask}, torch.full((1, 4, 2, 2), 0.5))[0].tolist()
+        [[True, False], [True, False]]
+    """
+    mask = call.get("attention_mask")
+    if call.get("encoder_hidden_states") is not None and "encoder_attention_mask" in call:
+        mask = call["encoder_attention_mask"]
+    if not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[-2:] != weights.shape[-2:]:
+        return None
+    if mask.size(0) not in (1, weights.size(0)) or mask.size(1) not in (1, weights.size(1)):
+        return None
+    free = mask if mask.dtype == torch.bool else mask == 0
+    return free.any(dim=1).to(weights.device)  # (B or 1, Lq, Lk): allowed for some head
+
+
+def mask_explains(allowed: Tensor, weights: Tensor) -> bool:
+    """Whether every positive weight ``(B, H, Lq, Lk)`` lies on a key ``allowed`` allows, in the rows where it allows
+    some key (a row it masks whole, padding, holds uniform weights): False when the mask is not what the module added
+    to its scores (a bias folded into it, say). One sync with the device."""
+    some = allowed.any(dim=-1, keepdim=True)  # (B or 1, Lq, 1)
+    return not bool(((weights > 0).any(dim=1) & ~allowed & some).any())
 
 
 def _as_list(spec: Any) -> list[Any]:

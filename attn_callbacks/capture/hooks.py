@@ -16,6 +16,7 @@ included) are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch` instead,
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -62,8 +63,8 @@ class AttentionCapture:
             all of them, except for an SDPA call recomputed a few samples at a time. The k-th SDPA call of a module
             in one batch (k ≥ 1) is named ``f"{name}.call{k}"``. ``allowed``: the keys the call's mask lets each
             query attend to, broadcastable to ``(b, Lq, Lk)`` (see :func:`mha_allowed` and
-            :func:`~attn_callbacks.capture.sdpa.sdpa_allowed`), or None where the capture cannot know (Hugging Face
-            eager modules, a nested-tensor call).
+            :func:`~attn_callbacks.capture.sdpa.sdpa_allowed`, :func:`~attn_callbacks.capture.hf.eager_allowed`), or
+            None where the capture cannot know (a nested-tensor call, a Hugging Face call without a mask it reads).
         disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored when the last
             capture attached at the time detaches).
         output_index: for Hugging Face attention modules, the index of the weights in their output tuple
@@ -90,6 +91,7 @@ class AttentionCapture:
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
         self._dropout_warned: set[str] = set()  # modules named in the SDPA watch's dropout warning
+        self._mask_read: dict[str, bool] = {}  # Hugging Face eager modules: whether their mask explained their weights
         self._entered: SdpaWatch | None = None  # the watch on torch's mode stack, while a watched forward runs
         self._census: SdpaCensus | None = None  # the look for SDPA calls outside the modules found, while on
         self._depth = 0  # watched forwards running inside each other, while one entered the watch
@@ -140,7 +142,9 @@ class AttentionCapture:
                     hook = _Hook(self._hook(name, module))
                     self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
                 elif name not in self.watched:
-                    self._handles.append(module.register_forward_hook(_Hook(self._read_hook(name))))
+                    self._handles.append(
+                        module.register_forward_hook(_Hook(self._read_hook(name, module)), with_kwargs=True)
+                    )
                 else:  # the watch is entered around the forward only, and left however the forward ends
                     self._handles.append(module.register_forward_pre_hook(_Hook(self._enter_watch)))
                     self._handles.append(module.register_forward_hook(_Hook(self._leave_watch), always_call=True))
@@ -263,17 +267,54 @@ class AttentionCapture:
 
         return hook
 
-    def _read_hook(self, name: str) -> Callable[..., None]:
+    def _read_hook(self, name: str, module: nn.Module) -> Callable[..., None]:
         index = self.output_index.get(name, 1)
+        try:
+            signature: inspect.Signature | None = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            signature = None
 
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             weights = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
             if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
                 raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
             self.calls[name] += 1
-            self.consumer(name, module, weights, slice(0, weights.size(0)), weights.size(0), None)
+            allowed = self._eager_allowed(name, module, signature, args, kwargs, weights)
+            self.consumer(name, module, weights, slice(0, weights.size(0)), weights.size(0), allowed)
 
         return hook
+
+    def _eager_allowed(
+        self,
+        name: str,
+        module: nn.Module,
+        signature: inspect.Signature | None,
+        args: tuple,
+        kwargs: dict,
+        weights: Tensor,
+    ) -> Tensor | None:
+        """:func:`hf.eager_allowed` of a Hugging Face eager call, or None: no mask read, or the module's mask once
+        failed to explain its weights (:func:`hf.mask_explains`, checked at its first call with a mask; warned)."""
+        if signature is None or self._mask_read.get(name) is False:
+            return None
+        try:
+            call = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return None
+        extra = next((call.get(p.name) for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        allowed = hf.eager_allowed({**(extra or {}), **call}, weights)
+        if allowed is None or self._mask_read.get(name):
+            return allowed
+        self._mask_read[name] = hf.mask_explains(allowed, weights)
+        if self._mask_read[name]:
+            return allowed
+        warnings.warn(
+            f"Hugging Face attention module {name!r} ({type(module).__name__}) gave positive weights to keys its "
+            "attention mask masks: the mask is not all it adds to its scores, so it is not read. A key counts as "
+            "visible (in U and the entropy's maximum) where some head gives it a non-zero weight",
+            stacklevel=2,
+        )
+        return None
 
 
 def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:
