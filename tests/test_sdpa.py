@@ -711,3 +711,16 @@ def test_the_watch_is_on_the_mode_stack_only_inside_watched_forwards_stays_out_o
             torch.testing.assert_close(compiled(q), F.scaled_dot_product_attention(q, q, q))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_weights_are_recomputed_in_float32_under_autocast(dtype):
+    """precision="bf16-mixed" runs the model, and so the recompute inside its forward, under autocast: the weights
+    are still float32 products and softmax of the call's q and k (bf16 ones would be ~1e-2 off, fp16 ones round
+    keys ~17 logits down to 0)."""
+    g = torch.Generator().manual_seed(1)
+    q, k = (3 * torch.randn(2, 4, 6, 8, generator=g) for _ in range(2))  # logits ~9 apart
+    with torch.autocast("cpu", dtype=dtype):
+        got = sdpa_weights(q, k, is_causal=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), naive_weights(q, k, causal=True), atol=1e-6, rtol=1e-6)

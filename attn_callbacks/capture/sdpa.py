@@ -23,6 +23,7 @@ that a module calling it several times per batch can name them apart.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -98,17 +99,26 @@ def sdpa_weights(
     if enable_gqa and key.size(-3) != query.size(-3):
         key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)  # (..., Hq, Lk, E)
     factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    scores = torch.matmul(query, key.transpose(-2, -1)).mul_(factor)  # (..., Hq, Lq, Lk)
-    len_q, len_k = scores.shape[-2:]
-    if is_causal:
-        allowed = torch.ones(len_q, len_k, dtype=torch.bool, device=scores.device).tril_()
-        scores = scores.masked_fill_(~allowed, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill_(~attn_mask, -math.inf)
-        else:
-            scores = scores.add_(attn_mask.to(dtype))
-    return torch.softmax(scores, dim=-1)
+    # The call runs inside the model's forward: under autocast (precision="bf16-mixed") the product and softmax
+    # would be bf16 / fp16, 1e-2 off and underflowing ~17 logits down, not float32.
+    with _autocast_off(query.device):
+        scores = torch.matmul(query, key.transpose(-2, -1)).mul_(factor)  # (..., Hq, Lq, Lk)
+        len_q, len_k = scores.shape[-2:]
+        if is_causal:
+            allowed = torch.ones(len_q, len_k, dtype=torch.bool, device=scores.device).tril_()
+            scores = scores.masked_fill_(~allowed, -math.inf)
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                scores = scores.masked_fill_(~attn_mask, -math.inf)
+            else:
+                scores = scores.add_(attn_mask.to(dtype))
+        return torch.softmax(scores, dim=-1)
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast switched off on ``device``'s kind, where autocast exists for it."""
+    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))  # torch < 2.4
+    return torch.autocast(device.type, enabled=False) if available(device.type) else contextlib.nullcontext()
 
 
 def sdpa_allowed(attn_mask: Tensor | None, is_causal: bool, len_q: int, len_k: int, device: torch.device) -> Tensor:

@@ -139,7 +139,7 @@ class Warnings:
                 f"skipped:{name}",
                 f"AttentionMonitor: {skipped_rows} query rows of attention module {name!r} had non-finite "
                 "or all-zero weights (fully masked rows? padding that neither `ignore_ids` nor `token_mask` leaves "
-                "out?) and were left out of the sums",
+                "out? NaN or inf in the model, a float16 overflow say?) and were left out of the sums",
             )
 
     def hidden_keys(
