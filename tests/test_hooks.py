@@ -306,3 +306,36 @@ def test_mha_allowed_lets_the_keys_add_bias_kv_and_add_zero_attn_append_be_seen(
     assert allowed.shape == (2, 4, 6)
     assert allowed[0, 0].tolist() == [True, True, True, False, True, True] and allowed[1].all()
     assert torch.equal(allowed, weights.amax(dim=1) > 0)  # the masked key alone gets no weight
+
+
+@pytest.mark.parametrize("via_layer", [False, True])
+def test_a_causal_hint_without_a_mask_is_read_as_the_unmasked_attention_it_computes_and_warned_about(via_layer):
+    """is_causal=True without attn_mask is a hint PyTorch's fast path ignores (the attention is not causal) and that
+    raises once weights are asked for: the monitored call gives the caller the same output, the weights read are the
+    unmasked ones, and one warning names the module."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    if via_layer:
+        model = nn.ModuleDict({"dec": nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)}).eval()
+        mha, name = model["dec"].self_attn, "dec.self_attn"
+
+        def run():
+            return model["dec"](x, x, tgt_is_causal=True)
+    else:
+        model = nn.ModuleDict({"mha": nn.MultiheadAttention(8, 2, batch_first=True)}).eval()
+        mha, name = model["mha"], "mha"
+
+        def run():
+            return model["mha"](x, x, x, is_causal=True, need_weights=False)[0]
+
+    with torch.no_grad():
+        plain = run()
+        said = f"'{name}' was called with is_causal=True and no attn_mask"
+        with pytest.warns(UserWarning, match=said) as caught, capture_attention(model) as weights:
+            monitored = run()
+            run()
+        _, unmasked = mha(x, x, x, need_weights=True, average_attn_weights=False)
+    torch.testing.assert_close(monitored, plain, atol=1e-6, rtol=1e-6)  # the fast path's kernel, rounded apart
+    assert len([w for w in caught if "is_causal=True" in str(w.message)]) == 1  # once per module
+    torch.testing.assert_close(weights[name][0], unmasked)
+    assert float(weights[name][0].triu(1).amax()) > 0.1  # keys after the query weighed: not causal

@@ -91,6 +91,7 @@ class AttentionCapture:
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
         self._dropout_warned: set[str] = set()  # modules named in the SDPA watch's dropout warning
+        self._causal_warned: set[str] = set()  # modules called with is_causal=True and no mask, warned about
         self._mask_read: dict[str, bool] = {}  # Hugging Face eager modules: whether their mask explained their weights
         self._entered: SdpaWatch | None = None  # the watch on torch's mode stack, while a watched forward runs
         self._census: SdpaCensus | None = None  # the look for SDPA calls outside the modules found, while on
@@ -245,12 +246,28 @@ class AttentionCapture:
             bound.apply_defaults()
             arguments = bound.arguments
             self._requested[name].append((bool(arguments["need_weights"]), bool(arguments["average_attn_weights"])))
+            if arguments["is_causal"] and arguments["attn_mask"] is None:
+                arguments["is_causal"] = False  # what the fast path computes; with weights asked for, torch raises
+                self._warn_causal_hint(name)
             arguments["need_weights"] = True
             arguments["average_attn_weights"] = False
             del arguments["self"]
             return (), dict(arguments)
 
         return pre_hook
+
+    def _warn_causal_hint(self, name: str) -> None:
+        if name in self._causal_warned:
+            return
+        self._causal_warned.add(name)
+        warnings.warn(
+            f"AttentionMonitor: nn.MultiheadAttention {name!r} was called with is_causal=True and no attn_mask. "
+            "PyTorch takes is_causal as a hint only: its fast path (eval, no gradients) ignores it, so this attention "
+            "is not causal, and a call that computes weights or gradients raises. The monitor reads the unmasked "
+            "weights the model applies. For causal attention pass attn_mask=nn.Transformer."
+            "generate_square_subsequent_mask(L) (tgt_mask for a decoder layer, mask for an encoder)",
+            stacklevel=3,
+        )
 
     def _hook(self, name: str, module: nn.MultiheadAttention) -> Callable[..., Any]:
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: tuple[Tensor, Tensor | None]) -> Any:
