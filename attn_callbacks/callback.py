@@ -137,7 +137,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             return
         drift_epoch = not (trainer.sanity_checking or trainer.testing)
         silent = [name for name, count in self._capture.calls.items() if count == 0]  # before the probe's own batch
-        self._report.warnings.silent(silent, self._monitored_batches)
+        self._report.warnings.silent(silent, self._monitored_batches, self._capture.ran())
         try:
             if self._probe.own_batch and drift_epoch:
                 self._capture.attach()  # detached after `limit_batches`

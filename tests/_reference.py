@@ -208,8 +208,9 @@ def copied(stats):
 
 
 # Cases and loops shared by test_step.py and test_summary.py.
-def naive_accumulate(weights, query_ids, key_ids, query_valid, key_valid, vq, vk):
-    """float64 Python-loop reference of S, C, Q."""
+def naive_accumulate(weights, query_ids, key_ids, query_valid, key_valid, vq, vk, allowed=None):
+    """float64 Python-loop reference of S, C, Q; a row the mask ``allowed`` ``(B, Lq, Lk)`` allows no key in is
+    dropped, as a fully masked one."""
     b_, h_, lq, lk = weights.shape
     S = torch.zeros(h_, vq, vk, dtype=torch.float64)
     C = torch.zeros(vq, vk, dtype=torch.float64)
@@ -219,7 +220,7 @@ def naive_accumulate(weights, query_ids, key_ids, query_valid, key_valid, vq, vk
         for i in range(lq):
             if not query_valid[n, i]:
                 continue
-            if not torch.isfinite(weights[n, :, i]).all() or not (weights[n, :, i] > 0).any():
+            if not row_kept(weights, query_valid, n, i, allowed) or not (weights[n, :, i] > 0).any():
                 skipped += 1
                 continue
             a = int(query_ids[n, i])
@@ -256,8 +257,10 @@ def run(weights, query_ids, key_ids, qv, kv, vq, vk):
     return S, C, Q, int(skipped)
 
 
-def row_kept(weights, query_valid, n, i):
-    return bool(query_valid[n, i]) and bool(torch.isfinite(weights[n, :, i]).all())
+def row_kept(weights, query_valid, n, i, allowed=None):
+    """A valid row of finite weights, with some key the mask ``allowed`` allows (when given)."""
+    has_key = allowed is None or bool(allowed[n, i].any())
+    return bool(query_valid[n, i]) and bool(torch.isfinite(weights[n, :, i]).all()) and has_key
 
 
 def visible_keys(weights, key_valid, n, i, allowed=None):
@@ -274,7 +277,7 @@ def naive_uniform(weights, query_ids, key_ids, query_valid, key_valid, vq, vk, a
     U = torch.zeros(vq, vk, dtype=torch.float64)
     for n in range(b_):
         for i in range(lq):
-            if not row_kept(weights, query_valid, n, i):
+            if not row_kept(weights, query_valid, n, i, allowed):
                 continue
             visible = visible_keys(weights, key_valid, n, i, allowed)
             for j in visible:
@@ -288,7 +291,7 @@ def naive_position_sums(weights, query_valid, key_valid, allowed=None):
     P = torch.zeros(6, h_, dtype=torch.float64)
     for n in range(b_):
         for i in range(lq):
-            if not row_kept(weights, query_valid, n, i):
+            if not row_kept(weights, query_valid, n, i, allowed):
                 continue
             visible = visible_keys(weights, key_valid, n, i, allowed)
             for h in range(h_):

@@ -316,8 +316,9 @@ def test_hf_module_shared_by_layers_warns_that_its_sums_mix_the_calls(tmp_path):
     model = transformers.AlbertModel(config).eval()
     (name,) = find_attention_modules(model)  # ALBERT runs one attention module for every layer
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], export="pt")
-    with pytest.warns(UserWarning, match=f"'model.{name}' ran more than once in one batch"):
+    with pytest.warns(UserWarning, match=f"'model.{name}' ran 3 times in one validation batch") as caught:
         validate(tmp_path, monitor, model)
+    assert len([w for w in caught if f"'model.{name}' ran" in str(w.message)]) == 1  # one warning, not two
     stats = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules[f"model.{name}"]
     tokens = sum(int((b["input_ids"] != PAD).sum()) for b in make_batches())
     assert int(stats.query_count.sum()) == 3 * tokens  # one count per layer: the calls are summed
@@ -657,3 +658,65 @@ def test_hf_eager_module_whose_mask_misses_its_weights_is_warned_about_and_read_
     assert seen2 == [None, None, None]
     said = [str(w.message) for w in caught if "attention mask" in str(w.message)]
     assert len(said) == 1 and "'attn' (MaskPlusBias) gave positive weights to keys its attention mask masks" in said[0]
+
+
+def sharpened(kind, attn_implementation, factor):
+    """``generative(kind, ...)`` with its query projections scaled by ``factor``: logits so far apart that float32
+    rounds many allowed keys' weights to exactly 0 in every head."""
+    model = generative(kind, attn_implementation)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", ".q.weight")):
+                parameter.mul_(factor)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kind", "padding", "factor"),
+    [("llama", "left", 1.0), ("t5", "right", 300.0), ("bart", "none", 3e4)],
+)
+def test_hf_eager_and_sdpa_twins_count_the_same_visible_keys_and_rows(tmp_path, kind, padding, factor):
+    """The same model under eager and sdpa attention gives the same S, Q, U and skipped rows, where each reads its
+    mask differently: left padding the monitor was not told of (eager's masked rows are uniform, sdpa's NaN: both
+    dropped and counted), T5's position bias folded into sdpa's float mask (a bias allows), and an encoder batch
+    without padding (eager gets no mask: every key allowed). Sharp heads round allowed keys to 0 in float32, so the
+    weights alone would count fewer keys."""
+    g, batches = torch.Generator().manual_seed(11), []
+    for _ in range(3):
+        ids = torch.randint(3, VOCAB, (4, LENGTH), generator=g)
+        mask = torch.ones_like(ids)
+        if padding == "left":
+            ids[1::2, :3], mask[1::2, :3] = PAD, 0
+        elif padding == "right":
+            ids[::2, -2:], mask[::2, -2:] = PAD, 0
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if kind in SEQ2SEQ:
+            batch["decoder_input_ids"] = torch.randint(3, VOCAB, (4, 5), generator=g)
+        batches.append(batch)
+    streams = {"src": "input_ids", "tgt": "decoder_input_ids"} if kind in SEQ2SEQ else "input_ids"
+    ignore = [PAD] if padding == "right" else []  # left: the padding is not told of
+    records = {}
+    for implementation in ("eager", "sdpa"):
+        root = tmp_path / implementation
+        monitor = AttentionMonitor(VOCAB, streams, ignore_ids=ignore, export="pt", entropy_collapse_threshold=0)
+        validate(root, monitor, sharpened(kind, implementation, factor), batches, wrapper=Generating)
+        records[implementation] = load_epoch(next((root / "tb").rglob("*.pt"))).modules
+    eager, sdpa = records["eager"], records["sdpa"]
+    assert set(eager) == set(sdpa)
+    for name, stats in eager.items():
+        twin = sdpa[name]
+        assert torch.equal(stats.query_count, twin.query_count), name
+        assert int(stats.skipped_rows) == int(twin.skipped_rows), name
+        torch.testing.assert_close(stats.uniform_sum, twin.uniform_sum, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(stats.attention_sum, twin.attention_sum, rtol=1e-3, atol=1e-4, msg=name)
+    if padding == "left":  # every padded query row dropped: 3 per padded sample, in each layer
+        assert all(int(stats.skipped_rows) == 3 * 2 * 3 for stats in eager.values())
+        assert all(int(stats.query_count[PAD]) == 0 for stats in eager.values())
+    if padding == "none":  # an encoder row sees every key: 1 / L to each, whatever the weights
+        U = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+        for batch in batches:
+            for row in batch["input_ids"]:
+                for a in row.tolist():
+                    for b in row.tolist():
+                        U[a, b] += 1 / LENGTH
+        torch.testing.assert_close(eager["model.model.encoder.layers.0.self_attn"].uniform_sum.double(), U)

@@ -215,10 +215,14 @@ def test_sdpa_allowed_reads_boolean_float_causal_and_per_head_masks():
     assert sdpa_allowed(None, True, 2, 3, cpu).tolist() == [[[True, False, False], [True, True, False]]]
     per_head = torch.tensor([[[[True, False]], [[False, False]]]])  # (B=1, H=2, 1, Lk=2): allowed for some head
     assert sdpa_allowed(per_head, False, 2, 2, cpu).tolist() == [[[True, False], [True, False]]]
-    # float: 0 allows; -inf masks; other values are biases or masks (-1e9) that only the weights tell apart
-    padding = torch.tensor([[0.0, -math.inf, -1e9, -0.25]]).view(1, 1, 1, 4)  # Hugging Face's (B, 1, 1, Lk)
-    first_only = [[True, False, False, False]] * 2
-    assert sdpa_allowed(padding, True, 2, 4, cpu).tolist() == [first_only]
+    # float: a bias allows (T5's position bias folded into the mask, ALiBi: any value above -1e4); -inf, a dtype's
+    # minimum, -1e9 and -1e4 mask
+    mask = torch.tensor([[0.0, -math.inf, -1e9, -0.25, 7.5, -9999.0, -1e4, torch.finfo(torch.float32).min]])
+    causal_rows = [[True, False, False, False, False, False, False, False], [True] + [False] * 7]
+    assert sdpa_allowed(mask.view(1, 1, 1, 8), True, 2, 8, cpu).tolist() == [causal_rows]
+    assert sdpa_allowed(mask.view(1, 1, 1, 8), False, 1, 8, cpu).tolist() == [
+        [[True, False, False, True, True, True, False, False]]
+    ]
 
 
 class Sharp(LightningModule):
@@ -724,3 +728,16 @@ def test_sdpa_weights_are_recomputed_in_float32_under_autocast(dtype):
         got = sdpa_weights(q, k, is_causal=True)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), naive_weights(q, k, causal=True), atol=1e-6, rtol=1e-6)
+
+
+def test_a_module_that_ran_without_its_sdpa_call_is_named_apart_from_modules_that_never_ran(tmp_path):
+    """A module found by the SDPA call in its code that computes attention another way on this run (a Hugging Face
+    model without attention records, under eager attention) is said to have run without the call, not not to have
+    run; nothing of it is logged."""
+    monitor = AttentionMonitor(vocab_size=12, token_ids="ids")
+    with pytest.warns(UserWarning) as caught:
+        run(tmp_path, TinyGPT(eager=True), monitor, gpt_batches())
+    said = [str(w.message) for w in caught if "AttentionMonitor: attention module(s)" in str(w.message)]
+    assert len(said) == 1, said
+    assert "'model.blocks.0.attn', 'model.blocks.1.attn' ran in 2 monitored batch(es) but never called" in said[0]
+    assert "attn_implementation='eager'" in said[0]

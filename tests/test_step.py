@@ -219,6 +219,39 @@ def test_accumulate_attention_counts_keys_the_mask_allows_as_visible_where_every
     assert not torch.allclose(U, naive_uniform(weights, qi, ki, qv, kv, 4, 4))  # what the weights alone would say
 
 
+@pytest.mark.parametrize("path", ["numba", "torch", "compiled"])
+def test_accumulate_attention_drops_and_counts_rows_whose_mask_allows_no_key(path):
+    """A Hugging Face eager model adds the dtype's minimum where it masks: a left-padded query row, masked whole, comes
+    out uniform over every key, not NaN as from SDPA. With `allowed` saying so, the row is dropped and counted like a
+    NaN row; the other rows are summed as the float64 loop sums them."""
+    from attn_callbacks.base.numba_loader import uses_numba
+
+    if path == "numba" and not uses_numba(torch.device("cpu")):
+        pytest.skip("numba is not installed or switched off")
+    weights, qi, ki, qv, kv = random_case(3, 2, 5, 5, 4, 4, causal=True, seed=21)
+    allowed = torch.ones(3, 5, 5, dtype=torch.bool).tril()
+    allowed[1, :, :2] = False  # sample 1 left-padded by two: its keys 0 and 1 masked...
+    allowed[1, :2] = False  # ...and its query rows 0 and 1 masked whole
+    weights[1, :, :2] = 0.2  # uniform over all 5 keys, as finfo.min everywhere gives
+    pairs = F.pair_index(qi, ki, qv, kv, 4, 4)
+    packed, C, Q = torch.zeros(3, 16), torch.zeros(16, dtype=torch.long), torch.zeros(4).long()
+    P = torch.zeros(len(F.POSITION_STATS), 2)
+    if path == "numba":
+        skipped = F.accumulate_attention(packed, C, Q, P, weights, None, qi, qv, kv, key_ids=ki, allowed=allowed)
+    else:
+        skipped = accumulate_attention_torch(
+            packed, C, Q, P, weights, pairs, qi, qv, kv, allowed=allowed, compiled=path == "compiled"
+        )
+    S, C_ref, Q_ref, skipped_ref = naive_accumulate(weights, qi, ki, qv, kv, 4, 4, allowed)
+    assert int(skipped) == skipped_ref == int(qv[1, :2].sum()) > 0
+    assert torch.equal(Q.double(), Q_ref) and torch.equal(C.view(4, 4).double(), C_ref)
+    torch.testing.assert_close(packed[:2].view(2, 4, 4).double(), S, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        packed[2].view(4, 4).double(), naive_uniform(weights, qi, ki, qv, kv, 4, 4, allowed), rtol=1e-6, atol=1e-6
+    )
+    torch.testing.assert_close(P.double(), naive_position_sums(weights, qv, kv, allowed), rtol=1e-5, atol=1e-5)
+
+
 def test_accumulate_attention_refuses_an_allowed_mask_of_another_shape_or_dtype():
     weights, qi, ki, qv, kv = random_case(2, 2, 3, 4, 3, 3, seed=1)
     state = (torch.zeros(3, 9), torch.zeros(9, dtype=torch.long), torch.zeros(3).long(), torch.zeros(6, 2))

@@ -15,8 +15,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "MASKED_AT",
     "ROW_BLOCK_BYTES",
     "attention_mass",
+    "float_mask_allows",
     "mean_weight",
     "normalize_rows",
     "row_blocks",
@@ -28,6 +30,21 @@ __all__ = [
     "to_host_flat",
     "x_log_x",
 ]
+
+
+#: A float attention mask masks a key where it is at or below this: -inf, a dtype's minimum, -1e9, and the -1e4 of
+#: float16-era code. Values above it are biases added to the scores (T5's position bias, ALiBi), which allow the key.
+MASKED_AT = -1e4
+
+
+def float_mask_allows(mask: Tensor) -> Tensor:
+    """Where a float mask added to attention scores allows the key: above :data:`MASKED_AT` (NaN masks).
+
+    Example:
+        >>> float_mask_allows(torch.tensor([0.0, -3.5, -1e4, -1e9, float("-inf")])).tolist()
+        [True, True, False, False, False]
+    """
+    return mask > MASKED_AT
 
 
 def to_host_flat(tensors: Iterable[Tensor], dtype: torch.dtype) -> Tensor:

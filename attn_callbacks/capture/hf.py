@@ -21,11 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attn_callbacks.base.tensor_ops import float_mask_allows
+
 __all__ = [
     "attention_outputs",
     "attention_records",
     "check_readable",
     "eager_allowed",
+    "eager_mask",
     "implementation",
     "missing_key_hint",
     "no_weights_message",
@@ -182,30 +185,44 @@ def no_weights_message(
     )
 
 
-def eager_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:
-    """The keys each query of a Hugging Face eager attention call (its bound arguments ``call``) may attend to,
-    ``(B or 1, Lq, Lk)`` bool, for its weights ``(B, H, Lq, Lk)``; None where the call holds no such mask.
+def eager_mask(call: Mapping[str, Any]) -> Any:
+    """The mask a Hugging Face eager attention call (its bound arguments ``call``) adds to its scores: its
+    ``attention_mask``, or GPT-2's cross-attention's ``encoder_attention_mask``; None when it has none."""
+    if call.get("encoder_hidden_states") is not None and "encoder_attention_mask" in call:
+        return call["encoder_attention_mask"]
+    return call.get("attention_mask")
 
-    In transformers >= 5 an eager module adds the mask it is handed to its scores: ``attention_mask`` (GPT-2's
-    cross-attention: ``encoder_attention_mask``), ``(B or 1, 1 or H, Lq, Lk)``, 0 where a key is allowed and the
-    dtype's minimum where not, causal and sliding windows included; a bool mask is True where allowed, as SDPA's.
-    A mask of another shape is not read, and :func:`mask_explains` checks the mask against the weights (a family that
-    folds a bias into its mask fails it).
+
+def eager_allowed(mask: Any, weights: Tensor, module: nn.Module) -> Tensor | None:
+    """The keys each query of a Hugging Face eager attention call with ``mask`` (:func:`eager_mask`) may attend to,
+    ``(B or 1, Lq, Lk)`` bool, for its weights ``(B, H, Lq, Lk)``; None where the mask does not tell.
+
+    In transformers >= 5 an eager module adds the mask it is handed to its scores, ``(B or 1, 1 or H, Lq, Lk)``: 0
+    where a key is allowed and the dtype's minimum where not, causal and sliding windows included (read as
+    :func:`~attn_callbacks.base.tensor_ops.float_mask_allows`); a bool mask is True where allowed, as SDPA's. No mask
+    (an encoder's batch without padding) allows every key of a module whose ``is_causal`` is False. A mask of another
+    shape is not read, and :func:`mask_explains` checks a mask against the weights.
 
     Example:
         >>> mask = torch.tensor([0.0, torch.finfo(torch.float32).min]).expand(1, 1, 2, 2)
-        >>> eager_allowed({"attention_mask": mask}, torch.full((1, 4, 2, 2), 0.5))[0].tolist()
+        >>> eager_allowed(mask, torch.full((1, 4, 2, 2), 0.5), nn.Identity())[0].tolist()
         [[True, False], [True, False]]
     """
-    mask = call.get("attention_mask")
-    if call.get("encoder_hidden_states") is not None and "encoder_attention_mask" in call:
-        mask = call["encoder_attention_mask"]
+    if mask is None:  # nothing added: every key allowed, unless the module is causal (masked where, unknown)
+        return None if _causal(module) is not False else weights.new_ones((1, *weights.shape[-2:]), dtype=torch.bool)
     if not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[-2:] != weights.shape[-2:]:
         return None
     if mask.size(0) not in (1, weights.size(0)) or mask.size(1) not in (1, weights.size(1)):
         return None
-    free = mask if mask.dtype == torch.bool else mask == 0
+    free = mask if mask.dtype == torch.bool else float_mask_allows(mask)
     return free.any(dim=1).to(weights.device)  # (B or 1, Lq, Lk): allowed for some head
+
+
+def _causal(module: nn.Module) -> bool | None:
+    """A Hugging Face attention module's ``is_causal``, from it or the first inner module that has one (T5's recorded
+    layer holds its attention), or None."""
+    flags = (getattr(inner, "is_causal", None) for inner in module.modules())
+    return next((flag for flag in flags if isinstance(flag, bool)), None)
 
 
 def mask_explains(allowed: Tensor, weights: Tensor) -> bool:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from attn_callbacks.base.tensor_ops import float_mask_allows
 from attn_callbacks.capture import hf
 from attn_callbacks.capture.find import (
     attention_candidates,
@@ -97,6 +98,7 @@ class AttentionCapture:
         self._census: SdpaCensus | None = None  # the look for SDPA calls outside the modules found, while on
         self._depth = 0  # watched forwards running inside each other, while one entered the watch
         self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # calls per module, until reset_calls()
+        self._forwards: set[int] = set()  # ids of the watched modules whose forward ran while watching, likewise
         # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
         self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
 
@@ -119,8 +121,14 @@ class AttentionCapture:
         return bool(self._handles) or bool(self._held)
 
     def reset_calls(self) -> None:
-        """Start counting calls per module (:attr:`calls`) from 0."""
+        """Start counting calls per module (:attr:`calls`, :meth:`ran`) from 0."""
         self.calls = dict.fromkeys(self.modules, 0)
+        self._forwards.clear()
+
+    def ran(self) -> set[str]:
+        """The watched modules whose forward ran in a watched batch since :meth:`reset_calls`, whether or not they
+        called ``scaled_dot_product_attention``."""
+        return {name for name, module in self.watched.items() if id(module) in self._forwards}
 
     def attach(self) -> AttentionCapture:
         """Register the hooks, switch the fast path off and have compiled code run eagerly (``torch.compiler``'s
@@ -208,6 +216,8 @@ class AttentionCapture:
         return census.unseen
 
     def _enter_watch(self, module: nn.Module, args: tuple) -> None:
+        if self._watch is not None:
+            self._forwards.add(id(module))
         if self._depth == 0:
             if self._watch is None:
                 return
@@ -319,8 +329,9 @@ class AttentionCapture:
         except TypeError:
             return None
         extra = next((call.get(p.name) for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-        allowed = hf.eager_allowed({**(extra or {}), **call}, weights)
-        if allowed is None or self._mask_read.get(name):
+        mask = hf.eager_mask({**(extra or {}), **call})
+        allowed = hf.eager_allowed(mask, weights, module)
+        if allowed is None or mask is None or self._mask_read.get(name):
             return allowed
         self._mask_read[name] = hf.mask_explains(allowed, weights)
         if self._mask_read[name]:
@@ -336,7 +347,8 @@ class AttentionCapture:
 
 def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:
     """The keys each query of an ``nn.MultiheadAttention`` call (its bound arguments ``call``) may attend to,
-    ``(B or 1, Lq, Lk)`` bool, from its ``attn_mask`` (boolean: True masks; float: exactly 0 allows) and
+    ``(B or 1, Lq, Lk)`` bool, from its ``attn_mask`` (boolean: True masks; float: see
+    :func:`~attn_callbacks.base.tensor_ops.float_mask_allows`) and
     ``key_padding_mask`` (likewise), for its weights ``(B, H, Lq, Lk)`` or ``(H, Lq, Lk)``; None for a nested-tensor
     call (``nn.TransformerEncoder``'s conversion drops its padding mask: only the weights tell which keys it had).
 
@@ -351,12 +363,12 @@ def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:
     allowed = torch.ones(1, len_q, len_k, dtype=torch.bool, device=weights.device)
     attn_mask, padding = call.get("attn_mask"), call.get("key_padding_mask")
     if attn_mask is not None:
-        free = _with_added_keys(~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0, len_k)
+        free = _with_added_keys(~attn_mask if attn_mask.dtype == torch.bool else float_mask_allows(attn_mask), len_k)
         if free.dim() == 3:  # (B * H, Lq, Lk): allowed for some head
             free = free.view(-1, weights.size(-3), len_q, len_k).any(dim=1)
         allowed = allowed & free.to(weights.device)
     if padding is not None:
-        free = _with_added_keys(~padding if padding.dtype == torch.bool else padding == 0, len_k)
+        free = _with_added_keys(~padding if padding.dtype == torch.bool else float_mask_allows(padding), len_k)
         allowed = allowed & free.to(weights.device).view(-1, 1, len_k)  # (B, 1, Lk); (1, 1, Lk) unbatched
     return allowed
 

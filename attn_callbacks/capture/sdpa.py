@@ -39,6 +39,8 @@ from torch.nn import functional as F
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
+from attn_callbacks.base.tensor_ops import float_mask_allows
+
 __all__ = [
     "CHUNK_BYTES",
     "SdpaCensus",
@@ -123,19 +125,19 @@ def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
 
 def sdpa_allowed(attn_mask: Tensor | None, is_causal: bool, len_q: int, len_k: int, device: torch.device) -> Tensor:
     """The keys each query of a ``scaled_dot_product_attention`` call may attend to, ``(B or 1, Lq, Lk)`` bool: where a
-    boolean ``attn_mask`` is True (for some head) or a float one is exactly 0, below the diagonal with ``is_causal``.
-    A float mask's other finite values are biases (ALiBi, relative positions) or masks (``-1e9``), which only the
-    weights can tell apart: such keys are not called allowed here (the accumulator then asks their weights).
+    boolean ``attn_mask`` is True (for some head) or a float one is above
+    :data:`~attn_callbacks.base.tensor_ops.MASKED_AT` (a bias such as T5's position bias or ALiBi allows; ``-inf``,
+    ``finfo.min``, ``-1e9`` mask), below the diagonal with ``is_causal``.
 
     Example:
         >>> sdpa_allowed(torch.tensor([[0.0, float("-inf"), -0.5]]), False, 1, 3, torch.device("cpu")).tolist()
-        [[[True, False, False]]]
+        [[[True, False, True]]]
     """
     allowed = torch.ones(1, len_q, len_k, dtype=torch.bool, device=device)
     if is_causal:
         allowed = allowed.tril_()
     if attn_mask is not None:
-        free = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        free = attn_mask if attn_mask.dtype == torch.bool else float_mask_allows(attn_mask)
         free = free.reshape((1,) * (4 - free.dim()) + tuple(free.shape)).any(dim=1)  # (B or 1, Lq or 1, Lk or 1)
         allowed = allowed & free
     return allowed

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from lightning.pytorch import Trainer
@@ -28,10 +28,24 @@ class Warnings:
             self._said.add(key)
             rank_zero_warn(message)
 
-    def silent(self, silent: list[str], batches: int) -> None:
-        """Hooked modules ``silent`` never ran in the epoch's ``batches`` monitored batches (once per set of names)."""
+    def silent(self, silent: list[str], batches: int, ran: Collection[str] = ()) -> None:
+        """Hooked modules ``silent`` never ran in the epoch's ``batches`` monitored batches (once per set of names);
+        or, those in ``ran``, ran without calling ``scaled_dot_product_attention``."""
         if not silent or not batches:
             return
+        quiet = [name for name in silent if name in ran]
+        if quiet:
+            self.once(
+                f"no_sdpa:{','.join(quiet)}",
+                f"AttentionMonitor: attention module(s) {', '.join(map(repr, quiet))} ran in {batches} monitored "
+                "batch(es) but never called scaled_dot_product_attention, where setup found a call in their code: "
+                "they compute attention another way on this path, which the monitor cannot read (a Hugging Face "
+                "model that declares no attention outputs, run with attn_implementation='eager', say: load it with "
+                "'sdpa'). Nothing was seen of them; leave them out with `modules=`.",
+            )
+            silent = [name for name in silent if name not in ran]
+            if not silent:
+                return
         cause = (
             "a compiled graph that skips module hooks: this torch has no `torch.compiler.set_stance` to run it "
             "eagerly while monitored, so set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before "
@@ -54,8 +68,9 @@ class Warnings:
                 f"repeated:{name}",
                 f"AttentionMonitor: attention module {name!r} ran {calls} times in one validation batch; every call "
                 f"adds into its one set of sums, read against its streams {streams}. That is right when each call "
-                "attends over those tokens (one module shared by several layers, the model run twice on the batch: "
-                "each query token then counts once per call); when a call attends over other tokens (the same "
+                "attends over those tokens (one module shared by several layers, as in ALBERT, the model run twice "
+                "on the batch: each query token then counts once per call; the probe shows the last call); when a "
+                "call attends over other tokens (the same "
                 "encoder run on a second input) its weights are mapped to the wrong ids: leave the module out with "
                 "`modules`, or run it as `scaled_dot_product_attention`, whose calls are summed apart and can be "
                 "given their own streams (`attention_streams`).",

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from attn_callbacks.base.config import format_bytes
@@ -36,8 +36,6 @@ class EpochSums:
         self.metrics: dict[tuple[str, int], AttentionAccumulator] = {}
         self.loaders = 1  # dataloaders of the epoch being monitored
         self._pairs: dict[tuple, Tensor] = {}  # this batch's pair index per (query, key) stream and rows
-        self._calls: set[str] = set()  # modules that ran in this batch
-        self._warned: set[str] = set()  # modules warned of for running more than once in a batch
         self._logged_total = 0  # the bytes of sums last logged: logged again when SDPA calls add to them
 
     def state_bytes(self, shapes: Mapping[str, tuple[int, int, int]], loaders: int) -> dict[str, int]:
@@ -121,7 +119,6 @@ class EpochSums:
 
     def start_batch(self) -> None:
         self._pairs.clear()
-        self._calls.clear()
 
     def add(
         self,
@@ -139,17 +136,6 @@ class EpochSums:
         samples ``rows`` of the batch (all when None; the later chunks of a call are not another call). ``other``: the
         accumulated ids of ``<other>`` in both streams, where both are tracked (their cell is summed apart on a GPU).
         ``allowed``: the keys the call's mask allows, broadcastable to ``(b, Lq, Lk)``, or None."""
-        first = rows is None or rows.start == 0
-        if first and name in self._calls and name not in self._warned:
-            self._warned.add(name)
-            rank_zero_warn(
-                f"AttentionMonitor: attention module {name!r} ran more than once in one batch (one module shared "
-                "by several layers, as in ALBERT, or called in a loop): its sums add up every call, so its maps "
-                "and numbers mix those calls; the probe shows the last one. Every call is read against the batch's "
-                "ids of the module's streams: a call over other tokens of the same shape (one encoder run on a "
-                "second input, say) is summed as if it saw those ids; leave such a module out with `modules`.",
-            )
-        self._calls.add(name)
         metric = self.metrics[(name, dataloader_idx)]
         # The pair index depends on the ids only: one per batch for all modules reading the same streams. The numba
         # kernel reads the ids themselves and needs none.

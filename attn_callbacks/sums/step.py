@@ -89,8 +89,9 @@ def accumulate_attention(
     """The fast path: add one batch to packed running sums, in place, without a host sync; deterministic on CPU.
 
     Computes ``S``, ``U``, ``C``, ``Q`` and the position sums (what the tests' float64 loop computes, up to
-    rounding; a valid query row with a non-finite weight in any head, or with no positive weight at all, is dropped and
-    counted), on a packed layout: ``sums[:H]`` is ``S`` and ``sums[H]`` is ``U``, each a flat ``Vq * Vk`` plane, so
+    rounding; a valid query row with a non-finite weight in any head, with no positive weight at all, or whose
+    ``allowed`` allows no key, is dropped and counted), on a packed layout: ``sums[:H]`` is ``S`` and ``sums[H]`` is
+    ``U``, each a flat ``Vq * Vk`` plane, so
     one index (from :func:`pair_index`, shared by every module reading the same streams) serves every head, ``U`` and
     ``C``; every plane is contiguous, so ``S`` can be divided into ``P`` where it lies.
 
@@ -115,7 +116,8 @@ def accumulate_attention(
         allowed: bool, broadcastable to ``(B, Lq, Lk)``: the keys each query may attend to by the attention's mask
             (True: may attend), or None. A valid key is *visible* (it counts in ``U`` and in the maximum entropy
             ``log n``) when allowed here or when some head gives it a positive weight: without ``allowed``, a key
-            whose weight rounds to 0 in every head (a very sharp softmax) counts as masked.
+            whose weight rounds to 0 in every head (a very sharp softmax) counts as masked. A row it allows no key in
+            is dropped, as a fully masked row.
         hot_cell: the flat index ``a * Vk + b`` of a cell that many pairs hit, such as ``(<other>, <other>)`` of
             tracked streams: off the CPU its pairs are summed apart (see :func:`accumulate_attention_torch`). The
             same sums.
@@ -123,7 +125,7 @@ def accumulate_attention(
             :mod:`attn_callbacks.sums.step_compiled`); eager where compiling fails. The same sums, up to rounding.
 
     Returns:
-        A 0-dim int64 tensor: the number of valid query rows dropped for non-finite or all-zero weights.
+        A 0-dim int64 tensor: the number of valid query rows dropped (non-finite or all-zero weights, no key allowed).
 
     Raises:
         ValueError: ``pairs`` and ``key_ids`` both None; or on the numba path, an id out of range at a valid position

@@ -251,7 +251,9 @@ def _accumulate(
                 mass[h] = total
                 wlogw[h] = plogp
                 distance[h] = far
-            keep = finite and top.max() > 0  # like the torch path: a positive weight at any key
+            keep = finite and top.max() > 0  # like the torch path: a positive weight at any key...
+            if keep and masked:  # ...and a key the mask allows (Hugging Face eager's padding rows are uniform)
+                keep = allowed[n, i].any()
             if keep:
                 query_count[a] += 1
                 if masked:  # a key the mask allows is visible even where its weight rounded to 0 in every head

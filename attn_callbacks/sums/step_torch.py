@@ -156,13 +156,16 @@ def row_masks(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Which rows and pairs of a batch ``weights (B, H, Lq, Lk)`` count: ``(rows (B, Lq), kept (B, Lq, Lk), visible
     (B, Lq, Lk), num_visible (B, Lq), skipped ())``. A valid query row is kept unless some head's weight in it is not
-    finite or no weight in it is positive (as ``dtype`` stores it), which ``skipped`` counts; ``kept`` pairs a kept
+    finite, no weight in it is positive (as ``dtype`` stores it) or ``allowed`` allows no key in it, which ``skipped``
+    counts; ``kept`` pairs a kept
     row with a valid key, ``visible`` those that ``allowed`` (the call's mask, broadcastable to ``(B, Lq, Lk)``, or
     None) allows or some head gives a positive weight, ``num_visible`` counts them (1 for a row with none: such a row
     adds nothing to ``U``, and ``log 1 = 0`` to the maximum entropy)."""
     finite = torch.isfinite(weights.sum(dim=-1)).all(dim=1)  # (B, Lq): a sum is finite iff every term is
     positive = weights.amax(dim=1).to(dtype) > 0  # (B, Lq, Lk): some head's weight, non-zero as stored in the sums
     usable = finite & positive.any(dim=-1)
+    if allowed is not None:  # a row whose mask allows no key: Hugging Face eager's padding rows are uniform, not NaN
+        usable &= allowed.any(dim=-1)
     rows = query_valid & usable
     skipped = (query_valid & ~usable).sum()
     kept = rows[:, :, None] & key_valid[:, None, :]  # (B, Lq, Lk)
