@@ -125,7 +125,8 @@ class MonitorOptions:
             global rank 0, with a TensorBoard logger; numpy and matplotlib, no torch), so that the epoch end returns
             once the statistics are logged and the pictures handed off; each picture is logged at its epoch's step
             when drawn, the same bytes as drawn in process (matplotlib's ``rcParams`` as they were at ``setup``:
-            change them before the Trainer starts). Its errors are raised, with its traceback, at the next
+            change them before the Trainer starts). The pictures fall at most one epoch behind: an epoch end first
+            waits for those of the epoch ends before the last. Its errors are raised, with its traceback, at the next
             validation epoch or at ``teardown``, which waits for the pictures still being drawn. None: on when the
             Trainer's device is not the CPU (on the CPU the process takes cores from training:
             ``docs/performance.md``).

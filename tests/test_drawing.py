@@ -218,3 +218,43 @@ def test_epoch_pictures_are_written_once_released_and_never_once_dropped():
     dropped.deliver(lambda: written.append("failed, late"))
     dropped.release()  # never after a drop
     assert written == ["before", "after", "late"]
+
+
+def test_drawing_process_waits_for_the_jobs_before_an_id():
+    process = drawing.DrawingProcess(numba=False)
+    drawn = []
+    try:
+        for k in range(3):
+            job = FigureJobs().heatmap(np.eye(6) * (k + 1), LABELS, LABELS, f"t{k}", "P")
+            process.submit(job, lambda png, size, k=k: drawn.append(k))
+        assert process.submitted == 3
+        assert process.wait(120, before=1)
+        assert 0 in drawn  # the first job is delivered; the others may still be drawn
+        assert process.wait(120)
+        assert sorted(drawn) == [0, 1, 2] and process.pending == 0
+    finally:
+        assert process.stop() == 0
+
+
+def test_drawing_lets_pictures_fall_one_epoch_behind_not_more():
+    """Each epoch end first waits for the pictures of the epoch ends before the last: epochs shorter than their
+    drawing cannot pile pictures up without end (the process's memory grew with them)."""
+
+    class Process:  # stands in for the DrawingProcess: how far each epoch end waits
+        submitted, waits = 0, []
+
+        def wait(self, timeout, before=None):
+            self.waits.append((timeout, before))
+            return True
+
+    class Background:
+        def later(self, write):
+            pass
+
+    pictures = drawing.Drawing(images=None, background=Background())
+    pictures.process = Process()
+    for submitted in (5, 9, 12):  # an epoch end, then its pictures handed to the process
+        pictures.begin_epoch()
+        pictures.process.submitted = submitted
+    pictures.begin_epoch()
+    assert pictures.process.waits == [(None, 0), (None, 0), (None, 5), (None, 9)]

@@ -4,7 +4,6 @@ goes on while they are drawn; each is logged at its epoch's step when ready."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import pickle
 import queue
@@ -50,8 +49,8 @@ class DrawingProcess:
             env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
         )
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, Callable[[bytes, tuple[int, int]], None]] = {}
-        self._ids = itertools.count()
+        self._pending: dict[int, Callable[[bytes, tuple[int, int]], None]] = {}  # by job id, in submission order
+        self.submitted = 0  # jobs submitted so far: the next job's id
         self._changed = threading.Condition()
         self._error: str | None = None
         self._closing = False
@@ -76,7 +75,7 @@ class DrawingProcess:
         receiving thread once the picture is back. Raises the process's first error first."""
         self.check()
         with self._changed:
-            job_id = next(self._ids)
+            job_id, self.submitted = self.submitted, self.submitted + 1
             self._pending[job_id] = deliver
         self._outbox.put((job_id, *job))
 
@@ -87,10 +86,16 @@ class DrawingProcess:
         if error is not None:
             raise RuntimeError(f"AttentionMonitor: the background drawing process failed:\n{error}")
 
-    def wait(self, timeout: float | None) -> bool:
-        """Wait until every picture submitted is delivered, or the process is gone; False when ``timeout`` ran out."""
+    def wait(self, timeout: float | None, before: int | None = None) -> bool:
+        """Wait until every picture submitted (``before``: of the jobs before that id) is delivered, or the process is
+        gone; False when ``timeout`` ran out."""
+        limit = self.submitted if before is None else before
+
+        def done() -> bool:
+            return next(iter(self._pending), limit) >= limit or self._error is not None
+
         with self._changed:
-            return self._changed.wait_for(lambda: not self._pending or self._error is not None, timeout)
+            return self._changed.wait_for(done, timeout)
 
     def stop(self, timeout: float | None = FINISH_TIMEOUT) -> int:
         """Wait for the pictures still pending (``timeout`` seconds at most; None: not at all), then stop the
@@ -203,6 +208,7 @@ class Drawing:
         self.process: DrawingProcess | None = None
         self._checksums = ExitStack()
         self._epoch = EpochPictures()
+        self._epoch_start = 0  # the drawing process's first job of the last epoch end
 
     def __getstate__(self) -> dict[str, Any]:
         return {"images": self.images, "background": self.background}  # the process is the stage's
@@ -221,13 +227,18 @@ class Drawing:
         writer = tensorboard_writer(trainer)
         if not isinstance(writer, SummaryWriter):
             return
-        self.process = DrawingProcess(numba=uses_numba("cpu"))
+        self.process, self._epoch_start = DrawingProcess(numba=uses_numba("cpu")), 0
         self.images.figures = FigureJobs()
         self._checksums.enter_context(fast_record_checksums(writer))  # the pictures are written after the epoch end
 
     def begin_epoch(self) -> None:
         """Start an epoch end: the pictures the process returns from now on are written once it succeeds (when the
-        background writer makes its held writes), never if it fails."""
+        background writer makes its held writes), never if it fails. With a drawing process, first wait for the
+        pictures of the epoch ends before the last: they may fall one epoch behind, not more (epochs shorter than their
+        drawing would pile up pictures, and the process's memory, without end)."""
+        if self.process is not None:
+            self.process.wait(None, before=self._epoch_start)
+            self._epoch_start = self.process.submitted
         self._epoch.drop()
         self._epoch = EpochPictures()
         self.background.later(self._epoch.release)
