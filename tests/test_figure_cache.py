@@ -100,7 +100,7 @@ def test_figure_cache_value_grid_redraw_prints_the_new_numbers():
 
 def test_figure_cache_drops_the_least_recently_used_layout_over_its_cap():
     one = _heatmap(FigureCache(), FIRST)
-    cost = 2 * 4 * one.shape[0] * one.shape[1]  # canvas and background, RGBA
+    cost = 3 * 4 * one.shape[0] * one.shape[1]  # canvas, background and the figure's objects, as RGBA
     cache = FigureCache(max_bytes=2 * cost)
     _heatmap(cache, FIRST)
     cache.heatmap(FIRST, ["x", "y", "z"], LABELS, "enc.0: P", "P[query, key]")  # same size: a second layout
