@@ -75,6 +75,8 @@ def test_callback_fit_logs_images_and_scalars_read_back_from_event_files(tmp_pat
                     steps = [e.step for e in events.Scalars(head)]
                     assert steps == [e.step for e in events.Scalars(f"attention_{name}/{layer}")]
                     assert head not in t.callback_metrics
+        epochs = [(e.step, e.value) for e in events.Scalars("epoch")]  # one point per epoch end: Lightning's
+        assert len(epochs) == len({step for step, _ in epochs})
         for table, count in (("one_way_pairs", 2), ("lift_pairs", 2), ("hubs", 2), ("drift_tokens", 1)):
             text = events.Tensors(f"attention_{table}/{layer}/text_summary")  # add_text's own suffix
             assert len(text) == count and text[-1].tensor_proto.string_val[0].startswith(b"| ")

@@ -124,9 +124,9 @@ def log_layer(
 def log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
     """Per-head scalars (``heads``: ``(tag, suffix)`` -> ``(H,)`` values, logged as ``{tag}/head_{h}{suffix}``, the
     tag from :func:`~attn_callbacks.output.dashboard.head_tag`)
-    straight to every logger of the Trainer in one call, from global rank 0, with ``epoch`` and at the step, as
-    Lightning logs the layer scalars that went through ``LightningModule.log`` in the same hook (a CSV gets one row of
-    them per epoch end).
+    straight to every logger of the Trainer in one call, from global rank 0, at the step (and, but to TensorBoard, with
+    ``epoch``) as Lightning logs the layer scalars that went through ``LightningModule.log`` in the same hook (a CSV
+    gets one row of them per epoch end).
 
     ``LightningModule.log`` keeps a result object per tag and walks it on every call (about 1 ms each: a model of
     12 layers × 12 heads has thousands of per-head scalars), and would also fill ``callback_metrics``,
@@ -143,14 +143,15 @@ def log_heads(trainer: Trainer, heads: dict[tuple[str, str], Tensor]) -> None:
 
 
 def _log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
-    """``metrics`` and ``epoch`` to every logger from global rank 0, at the step where Lightning logs this hook's
-    layer scalars."""
+    """``metrics`` to every logger from global rank 0, at the step where Lightning logs this hook's layer scalars,
+    with ``epoch`` as Lightning gives it to them (a CSV row of its own needs it); not to a TensorBoard logger, whose
+    ``epoch`` series Lightning writes at that step already (twice, it would hold two points per epoch)."""
     if not trainer.is_global_zero or not trainer.loggers:
         return
     step = epoch_end_step(trainer)
-    metrics = {**metrics, "epoch": trainer.current_epoch}
+    with_epoch = {**metrics, "epoch": trainer.current_epoch}
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
+        logger.log_metrics(metrics if isinstance(logger, TensorBoardLogger) else with_epoch, step=step)
 
 
 @contextmanager
