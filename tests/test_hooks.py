@@ -271,8 +271,9 @@ def test_capture_inside_a_compiled_function_reads_the_calls_leaves_the_stance_al
 
 
 def test_mha_allowed_reads_boolean_and_float_attention_and_padding_masks_per_call_form():
-    """nn.MultiheadAttention's masks say True where a query may NOT attend (boolean) or add to the logits (float: 0
-    allows); the allowed keys are True where no mask masks them, for some head."""
+    """nn.MultiheadAttention's masks say True where a query may NOT attend (boolean) or add to the logits (float: a
+    bias allows, -inf and values 1e3 below the row's largest mask); the allowed keys are True where no mask masks
+    them, for some head."""
     weights = torch.zeros(2, 2, 3, 3)  # (B, H, Lq, Lk)
     query = torch.zeros(2, 3, 8)
     causal = nn.Transformer.generate_square_subsequent_mask(3)  # 0 on and below the diagonal, -inf above
@@ -282,9 +283,12 @@ def test_mha_allowed_reads_boolean_and_float_attention_and_padding_masks_per_cal
     padding = torch.tensor([[False, False, True], [False, False, False]])  # sample 0's last key is padding
     got = mha_allowed({"query": query, "key_padding_mask": padding, "attn_mask": causal}, weights)
     assert got.tolist() == [[[1, 0, 0], [1, 1, 0], [1, 1, 0]], lower.int().tolist()]
-    float_padding = torch.zeros(2, 3).masked_fill(padding, -torch.inf)
-    got = mha_allowed({"query": query, "key_padding_mask": float_padding}, weights)
-    assert torch.equal(got, (~padding)[:, None].expand(2, 3, 3))
+    for masked in (-torch.inf, -1e3, -1e9):  # -1e3 zeroes a weight too: a mask, not a bias
+        float_padding = torch.zeros(2, 3).masked_fill(padding, masked)
+        got = mha_allowed({"query": query, "key_padding_mask": float_padding}, weights)
+        assert torch.equal(got, (~padding)[:, None].expand(2, 3, 3))
+    alibi = -torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0], [2.0, 1.0, 0.0]])  # a bias: every key allowed
+    assert mha_allowed({"query": query, "attn_mask": alibi}, weights).all()
     per_head = torch.zeros(4, 3, 3, dtype=torch.bool)  # (B * H, Lq, Lk): sample 1's first head masks key 0
     per_head[2, :, 0] = True
     assert mha_allowed({"query": query, "attn_mask": per_head}, weights).all()  # its second head may attend

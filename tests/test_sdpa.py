@@ -215,14 +215,16 @@ def test_sdpa_allowed_reads_boolean_float_causal_and_per_head_masks():
     assert sdpa_allowed(None, True, 2, 3, cpu).tolist() == [[[True, False, False], [True, True, False]]]
     per_head = torch.tensor([[[[True, False]], [[False, False]]]])  # (B=1, H=2, 1, Lk=2): allowed for some head
     assert sdpa_allowed(per_head, False, 2, 2, cpu).tolist() == [[[True, False], [True, False]]]
-    # float: a bias allows (T5's position bias folded into the mask, ALiBi: any value above -1e4); -inf, a dtype's
-    # minimum, -1e9 and -1e4 mask
+    # float: a bias allows (T5's position bias folded into the mask, ALiBi: within 1e3 of the row's largest value);
+    # -inf, a dtype's minimum, -1e9, and -1e4 plus a bias mask; a row whose largest value is -1e4 or less is masked
     mask = torch.tensor([[0.0, -math.inf, -1e9, -0.25, 7.5, -9999.0, -1e4, torch.finfo(torch.float32).min]])
     causal_rows = [[True, False, False, False, False, False, False, False], [True] + [False] * 7]
     assert sdpa_allowed(mask.view(1, 1, 1, 8), True, 2, 8, cpu).tolist() == [causal_rows]
     assert sdpa_allowed(mask.view(1, 1, 1, 8), False, 1, 8, cpu).tolist() == [
-        [[True, False, False, True, True, True, False, False]]
+        [[True, False, False, True, True, False, False, False]]
     ]
+    masked_whole = torch.tensor([[-1e4, -2e4]]).view(1, 1, 1, 2)  # its largest value -1e4: no key allowed
+    assert sdpa_allowed(masked_whole, False, 1, 2, cpu).tolist() == [[[False, False]]]
 
 
 class Sharp(LightningModule):

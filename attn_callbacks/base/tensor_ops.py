@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "BIAS_SPAN",
     "MASKED_AT",
     "ROW_BLOCK_BYTES",
     "attention_mass",
@@ -32,19 +33,26 @@ __all__ = [
 ]
 
 
-#: A float attention mask masks a key where it is at or below this: -inf, a dtype's minimum, -1e9, and the -1e4 of
-#: float16-era code. Values above it are biases added to the scores (T5's position bias, ALiBi), which allow the key.
+#: A float attention mask masks every key of a row whose largest value is at or below this: -inf, a dtype's minimum,
+#: -1e9, the -1e4 of float16-era code.
 MASKED_AT = -1e4
+#: In other rows it allows the keys within this much of the row's largest value: biases added to the scores (T5's
+#: position bias, ALiBi) allow; -1e3, -1e4 + a bias, -1e9 below a 0 mask.
+BIAS_SPAN = 1e3
 
 
 def float_mask_allows(mask: Tensor) -> Tensor:
-    """Where a float mask added to attention scores allows the key: above :data:`MASKED_AT` (NaN masks).
+    """Where a float mask added to attention scores ``(..., Lk)`` allows the key: in a row whose largest value is above
+    :data:`MASKED_AT`, the keys less than :data:`BIAS_SPAN` below it (NaN masks).
 
     Example:
-        >>> float_mask_allows(torch.tensor([0.0, -3.5, -1e4, -1e9, float("-inf")])).tolist()
-        [True, True, False, False, False]
+        >>> float_mask_allows(torch.tensor([0.0, -3.5, -999.0, -1e3, -1e9, float("-inf")])).tolist()
+        [True, True, True, False, False, False]
+        >>> float_mask_allows(torch.full((3,), torch.finfo(torch.float32).min)).tolist()  # a row masked whole
+        [False, False, False]
     """
-    return mask > MASKED_AT
+    top = mask.amax(dim=-1, keepdim=True)
+    return (top > MASKED_AT) & (mask > top - BIAS_SPAN)
 
 
 def to_host_flat(tensors: Iterable[Tensor], dtype: torch.dtype) -> Tensor:

@@ -337,9 +337,9 @@ class AttentionCapture:
         if self._mask_read[name]:
             return allowed
         warnings.warn(
-            f"Hugging Face attention module {name!r} ({type(module).__name__}) gave positive weights to keys its "
-            "attention mask masks: the mask is not all it adds to its scores, so it is not read. A key counts as "
-            "visible (in U and the entropy's maximum) where some head gives it a non-zero weight",
+            f"AttentionMonitor: Hugging Face attention module {name!r} ({type(module).__name__}) gave positive "
+            "weights to keys its attention mask masks: the mask is not all it adds to its scores, so it is not read. "
+            "A key counts as visible (in U and the entropy's maximum) where some head gives it a non-zero weight",
             stacklevel=2,
         )
         return None

@@ -125,9 +125,9 @@ def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
 
 def sdpa_allowed(attn_mask: Tensor | None, is_causal: bool, len_q: int, len_k: int, device: torch.device) -> Tensor:
     """The keys each query of a ``scaled_dot_product_attention`` call may attend to, ``(B or 1, Lq, Lk)`` bool: where a
-    boolean ``attn_mask`` is True (for some head) or a float one is above
-    :data:`~attn_callbacks.base.tensor_ops.MASKED_AT` (a bias such as T5's position bias or ALiBi allows; ``-inf``,
-    ``finfo.min``, ``-1e9`` mask), below the diagonal with ``is_causal``.
+    boolean ``attn_mask`` is True (for some head) or a float one allows it
+    (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`: a bias such as T5's position bias or ALiBi allows;
+    ``-inf``, ``finfo.min``, ``-1e9`` mask), below the diagonal with ``is_causal``.
 
     Example:
         >>> sdpa_allowed(torch.tensor([[0.0, float("-inf"), -0.5]]), False, 1, 3, torch.device("cpu")).tolist()
