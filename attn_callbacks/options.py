@@ -126,8 +126,9 @@ class MonitorOptions:
             once the statistics are logged and the pictures handed off; each picture is logged at its epoch's step
             when drawn, the same bytes as drawn in process (matplotlib's ``rcParams`` as they were at ``setup``:
             change them before the Trainer starts). The pictures fall at most one epoch behind: an epoch end first
-            waits for those of the epoch ends before the last. Its errors are raised, with its traceback, at the next
-            validation epoch or at ``teardown``, which waits for the pictures still being drawn. None: on when the
+            waits (120 s at most) for those of the epoch ends before the last. Its errors are raised, with its
+            traceback, at the next validation epoch or at ``teardown``, which waits for the pictures still being
+            drawn. None: on when the
             Trainer's device is not the CPU (on the CPU the process takes cores from training:
             ``docs/performance.md``).
         token_mask: where a stream's padding mask is, for padding that cannot be told by id (GPT-2 set-ups pad with

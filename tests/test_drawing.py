@@ -221,17 +221,23 @@ def test_epoch_pictures_are_written_once_released_and_never_once_dropped():
 
 
 def test_drawing_process_waits_for_the_jobs_before_an_id():
+    """wait(before=k) returns once no job with an id below k is pending, whatever came after; False at its timeout."""
     process = drawing.DrawingProcess(numba=False)
-    drawn = []
     try:
-        for k in range(3):
-            job = FigureJobs().heatmap(np.eye(6) * (k + 1), LABELS, LABELS, f"t{k}", "P")
-            process.submit(job, lambda png, size, k=k: drawn.append(k))
-        assert process.submitted == 3
-        assert process.wait(120, before=1)
-        assert 0 in drawn  # the first job is delivered; the others may still be drawn
-        assert process.wait(120)
-        assert sorted(drawn) == [0, 1, 2] and process.pending == 0
+        with process._changed:  # jobs 0-2 delivered, 3 and 4 still drawn (no job is sent: the ids alone decide)
+            process._pending.update({3: None, 4: None})
+            process.submitted = 5
+        assert process.wait(0.1, before=3)
+        assert not process.wait(0.1, before=4)
+        assert not process.wait(0.1)  # every job
+        process._settle(3, None)
+        assert process.wait(0.1, before=4) and not process.wait(0.1)
+        process._settle(4, None)
+        assert process.wait(0.1)
+        drawn = []
+        job = FigureJobs().heatmap(np.eye(6), LABELS, LABELS, "t", "P")
+        process.submit(job, lambda png, size: drawn.append(size))
+        assert process.wait(120, before=process.submitted) and len(drawn) == 1
     finally:
         assert process.stop() == 0
 
@@ -241,11 +247,11 @@ def test_drawing_lets_pictures_fall_one_epoch_behind_not_more():
     drawing cannot pile pictures up without end (the process's memory grew with them)."""
 
     class Process:  # stands in for the DrawingProcess: how far each epoch end waits
-        submitted, waits = 0, []
+        submitted, pending, waits, drawing = 0, 3, [], True
 
         def wait(self, timeout, before=None):
             self.waits.append((timeout, before))
-            return True
+            return self.drawing
 
     class Background:
         def later(self, write):
@@ -257,4 +263,7 @@ def test_drawing_lets_pictures_fall_one_epoch_behind_not_more():
         pictures.begin_epoch()
         pictures.process.submitted = submitted
     pictures.begin_epoch()
-    assert pictures.process.waits == [(None, 0), (None, 0), (None, 5), (None, 9)]
+    assert pictures.process.waits == [(drawing.FINISH_TIMEOUT, k) for k in (0, 0, 5, 9)]
+    pictures.process.drawing = False  # a process that hangs: the epoch end goes on after the timeout, and says so
+    with pytest.warns(UserWarning, match=r"has not drawn the pictures of an epoch before the last after 120 s \(3 "):
+        pictures.begin_epoch()

@@ -235,9 +235,15 @@ class Drawing:
         """Start an epoch end: the pictures the process returns from now on are written once it succeeds (when the
         background writer makes its held writes), never if it fails. With a drawing process, first wait for the
         pictures of the epoch ends before the last: they may fall one epoch behind, not more (epochs shorter than their
-        drawing would pile up pictures, and the process's memory, without end)."""
+        drawing would pile up pictures, and the process's memory, without end); ``FINISH_TIMEOUT`` at most, then on
+        with a warning (a process that hangs must not stop training)."""
         if self.process is not None:
-            self.process.wait(None, before=self._epoch_start)
+            if not self.process.wait(FINISH_TIMEOUT, before=self._epoch_start):
+                rank_zero_warn(
+                    f"AttentionMonitor: the background drawing process has not drawn the pictures of an epoch before "
+                    f"the last after {FINISH_TIMEOUT:.0f} s ({self.process.pending} waiting); training goes on, and "
+                    "they are logged when drawn (teardown waits for them once more, then drops what is left)."
+                )
             self._epoch_start = self.process.submitted
         self._epoch.drop()
         self._epoch = EpochPictures()
