@@ -118,7 +118,8 @@ def compare_paths(base: dict[str, int]) -> None:
                 for path in ("numba", "torch")
             }
             sums = "mean" if mean_of_heads else "per head"
-            print(f"{distribution:8} {sums:9} {ms['numba']:8.1f} {ms['torch']:8.1f} {ms['torch'] / ms['numba']:11.1f}x")
+            numba, torch_ms = _ms(ms["numba"] / 1e3), _ms(ms["torch"] / 1e3)
+            print(f"{distribution:8} {sums:9} {numba:>8} {torch_ms:>8} {ms['torch'] / ms['numba']:11.1f}x")
 
 
 def gpu_step(base: dict[str, int], steps: int = 20, rounds: int = 5) -> None:
@@ -150,6 +151,11 @@ def gpu_step(base: dict[str, int], steps: int = 20, rounds: int = 5) -> None:
         print(f"{name:15} {statistics.median(ms['wall']):8.3f} {statistics.median(ms['host']):8.3f}")
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to one decimal, three below 1 ms: a quick run's small steps must not print 0.0."""
+    return f"{seconds * 1e3:.1f}" if seconds >= 1e-3 else f"{seconds * 1e3:.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one step")
@@ -174,13 +180,13 @@ def main() -> None:
         seconds = step_seconds(c["B"], c["L"], c["H"], c["V"])
         weights = c["B"] * c["H"] * c["L"] ** 2
         print(
-            f"{varied:7} {c['B']:4} {c['L']:5} {c['H']:4} {c['V']:6} {weights / 1e6:11.1f} {seconds * 1e3:8.1f} "
+            f"{varied:7} {c['B']:4} {c['L']:5} {c['H']:4} {c['V']:6} {weights / 1e6:11.1f} {_ms(seconds):>8} "
             f"{seconds / weights * 1e9:10.2f}"
         )
     seconds = step_seconds(base["B"], base["L"], base["H"], base["V"], mean_of_heads=True)
     weights = base["B"] * base["H"] * base["L"] ** 2
     print(
-        f"{'per_head=False (head-mean sums only)':37} {weights / 1e6:11.1f} {seconds * 1e3:8.1f} "
+        f"{'per_head=False (head-mean sums only)':37} {weights / 1e6:11.1f} {_ms(seconds):>8} "
         f"{seconds / weights * 1e9:10.2f}"
     )
     if DEVICE == "cpu":
