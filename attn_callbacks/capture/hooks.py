@@ -300,13 +300,15 @@ class AttentionCapture:
             signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
             signature = None
+        # Where the call's extra keyword arguments land (transformers' **kwargs): the mask may be among them.
+        extra = next((p.name for p in getattr(signature, "parameters", {}).values() if p.kind is p.VAR_KEYWORD), None)
 
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             weights = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
             if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
                 raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
             self.calls[name] += 1
-            allowed = self._eager_allowed(name, module, signature, args, kwargs, weights)
+            allowed = self._eager_allowed(name, module, signature, extra, args, kwargs, weights)
             self.consumer(name, module, weights, slice(0, weights.size(0)), weights.size(0), allowed)
 
         return hook
@@ -316,6 +318,7 @@ class AttentionCapture:
         name: str,
         module: nn.Module,
         signature: inspect.Signature | None,
+        extra: str | None,
         args: tuple,
         kwargs: dict,
         weights: Tensor,
@@ -328,8 +331,7 @@ class AttentionCapture:
             call = signature.bind(*args, **kwargs).arguments
         except TypeError:
             return None
-        extra = next((call.get(p.name) for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-        mask = hf.eager_mask({**(extra or {}), **call})
+        mask = hf.eager_mask({**call.get(extra, {}), **call} if extra else call)
         allowed = hf.eager_allowed(mask, weights, module)
         if allowed is None or mask is None or self._mask_read.get(name):
             return allowed

@@ -31,9 +31,10 @@ class Warnings:
     def silent(self, silent: list[str], batches: int, ran: Collection[str] = ()) -> None:
         """Hooked modules ``silent`` never ran in the epoch's ``batches`` monitored batches (once per set of names);
         or, those in ``ran``, ran without calling ``scaled_dot_product_attention``."""
-        if not silent or not batches:
+        if not batches:
             return
         quiet = [name for name in silent if name in ran]
+        silent = [name for name in silent if name not in ran]
         if quiet:
             self.once(
                 f"no_sdpa:{','.join(quiet)}",
@@ -43,9 +44,8 @@ class Warnings:
                 "model that declares no attention outputs, run with attn_implementation='eager', say: load it with "
                 "'sdpa'). Nothing was seen of them; leave them out with `modules=`.",
             )
-            silent = [name for name in silent if name not in ran]
-            if not silent:
-                return
+        if not silent:
+            return
         cause = (
             "a compiled graph that skips module hooks: this torch has no `torch.compiler.set_stance` to run it "
             "eagerly while monitored, so set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before "
@@ -70,10 +70,9 @@ class Warnings:
                 f"adds into its one set of sums, read against its streams {streams}. That is right when each call "
                 "attends over those tokens (one module shared by several layers, as in ALBERT, the model run twice "
                 "on the batch: each query token then counts once per call; the probe shows the last call); when a "
-                "call attends over other tokens (the same "
-                "encoder run on a second input) its weights are mapped to the wrong ids: leave the module out with "
-                "`modules`, or run it as `scaled_dot_product_attention`, whose calls are summed apart and can be "
-                "given their own streams (`attention_streams`).",
+                "call attends over other tokens (the same encoder run on a second input) its weights are mapped to "
+                "the wrong ids: leave the module out with `modules`, or run it as `scaled_dot_product_attention`, "
+                "whose calls are summed apart and can be given their own streams (`attention_streams`).",
             )
 
     def unseen_sdpa(self, unseen: dict[str, str]) -> None:

@@ -91,9 +91,9 @@ def accumulate_attention(
     Computes ``S``, ``U``, ``C``, ``Q`` and the position sums (what the tests' float64 loop computes, up to
     rounding; a valid query row with a non-finite weight in any head, with no positive weight at all, or whose
     ``allowed`` allows no key, is dropped and counted), on a packed layout: ``sums[:H]`` is ``S`` and ``sums[H]`` is
-    ``U``, each a flat ``Vq * Vk`` plane, so
-    one index (from :func:`pair_index`, shared by every module reading the same streams) serves every head, ``U`` and
-    ``C``; every plane is contiguous, so ``S`` can be divided into ``P`` where it lies.
+    ``U``, each a flat ``Vq * Vk`` plane, so one index (from :func:`pair_index`, shared by every module reading the
+    same streams) serves every head, ``U`` and ``C``; every plane is contiguous, so ``S`` can be divided into ``P``
+    where it lies.
 
     On CPU (see :func:`~attn_callbacks.base.numba_loader.uses_numba`) the numba kernel of
     :mod:`attn_callbacks.sums.step_numba` runs: one read of the weights, on ``min(numba, torch)`` threads. It reads
