@@ -15,8 +15,8 @@ def encoder():
 def test_find_attention_modules_errors_name_the_pattern_and_model():
     with pytest.raises(
         ValueError,
-        match="No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
-        "scaled_dot_product_attention "
+        match="No torch.nn.MultiheadAttention, Hugging Face attention module, module calling "
+        "scaled_dot_product_attention or module computing attention by hand \\(a softmax and a matrix product\\) "
         "found in the model \\(Linear\\)",
     ):
         find_attention_modules(nn.Linear(2, 2))
@@ -43,6 +43,65 @@ def test_a_model_calling_sdpa_itself_is_told_to_move_the_attention_into_a_module
     said = r"\(AttendsItself\); AttendsItself itself calls scaled_dot_product_attention.*into an nn.Module of its own"
     with pytest.raises(ValueError, match=said):
         find_attention_modules(AttendsItself())
+
+
+def scores_softmax(q, k):
+    """A helper of the file, as the Annotated Transformer's ``attention()``: a module calling it computes attention."""
+    return torch.matmul(q, k.transpose(-2, -1)).softmax(dim=-1)
+
+
+class ByOperator(nn.Module):  # minGPT: ``@`` and F.softmax
+    def forward(self, q, k):
+        return torch.nn.functional.softmax(q @ k.transpose(-2, -1), dim=-1)
+
+
+class ByHelper(nn.Module):
+    def forward(self, q, k):
+        return scores_softmax(q, k)
+
+
+class BySoftmaxChild(nn.Module):  # lucidrains: einsum and an nn.Softmax
+    def __init__(self):
+        super().__init__()
+        self.attend = nn.Softmax(dim=-1)
+
+    def forward(self, q, k):
+        return self.attend(torch.einsum("bhid,bhjd->bhij", q, k))
+
+
+class Router(nn.Module):
+    """A softmax without a matrix product of the module's own: a mixture-of-experts gate, not attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.gate(x).softmax(dim=-1)
+
+
+class Sampler(nn.Module):
+    """Holds attention computed by hand and takes a softmax and a product itself (tied output, sampling)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.router, self.emb = ByOperator(), Router(), nn.Embedding(5, 8)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return (self.attn(x, x) @ x @ self.emb.weight.T).softmax(dim=-1)
+
+
+def test_attention_computed_by_hand_is_found_by_its_softmax_and_product_never_a_holder_or_a_gate():
+    found = find_attention_modules(
+        nn.ModuleDict({"sampler": Sampler(), "helper": ByHelper(), "child": BySoftmaxChild()})
+    )
+    assert list(found) == ["sampler.attn", "helper", "child"]
+    with pytest.raises(ValueError, match=r"\(Router\)"):
+        find_attention_modules(Router())
+    # Its own attention: told to move it into a module of its own.
+    with pytest.raises(ValueError, match=r"ByOperator itself calls .*a softmax and a matrix product"):
+        find_attention_modules(ByOperator())
 
 
 def test_wrapper_parts_never_reach_a_name_and_patterns_match_the_clean_names():

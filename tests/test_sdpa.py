@@ -12,7 +12,7 @@ import numba
 import pytest
 import torch
 import torch.nn.functional as F
-from _reference import ACCELERATOR, naive_position_sums, naive_uniform
+from _reference import ACCELERATOR, naive_accumulate, naive_position_sums, naive_uniform
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -362,15 +362,16 @@ def test_sdpa_called_under_another_name_or_through_a_helper_is_found_and_read():
     model = nn.ModuleDict({"alias": ByAlias(), "helper": ByHelper(), "closure": by_closure(), "hand": ByHand()})
     assert [calls_sdpa(module) for module in model.values()] == [True, True, True, False]
     assert not calls_sdpa(ByHandOpaque())
-    assert list(find_attention_modules(model)) == ["alias", "helper", "closure"]
+    assert list(find_attention_modules(model)) == ["alias", "helper", "closure", "hand"]  # the last by its softmax
     x = torch.randn(2, 4, 8)
     with torch.no_grad(), capture_attention(model) as weights:
         for module in model.values():
             module(x)
-    for name in ("alias", "helper", "closure"):
+    for name in ("alias", "helper", "closure", "hand"):
         q, k, _ = model[name].qkv(x)[:, None].chunk(3, dim=-1)
         (got,) = weights[name]
-        torch.testing.assert_close(got.double(), naive_weights(q.detach(), k.detach(), causal=True))
+        want = naive_weights(q.detach(), k.detach(), causal=name != "hand", scale=1.0 if name == "hand" else None)
+        torch.testing.assert_close(got.double(), want)
 
 
 class Hidden(OneHead):
@@ -541,7 +542,9 @@ def test_flex_attention_is_refused_naming_the_module():
 
 
 def test_monitor_refuses_a_model_without_attention_in_setup(tmp_path):
-    with pytest.raises(MisconfigurationException, match="module calling scaled_dot_product_attention found"):
+    with pytest.raises(
+        MisconfigurationException, match="module computing attention by hand .a softmax and a matrix product. found"
+    ):
         run(tmp_path, nn.Linear(3, 3), AttentionMonitor(vocab_size=12, token_ids="ids"), gpt_batches())
 
 
@@ -732,14 +735,162 @@ def test_sdpa_weights_are_recomputed_in_float32_under_autocast(dtype):
     torch.testing.assert_close(got.double(), naive_weights(q, k, causal=True), atol=1e-6, rtol=1e-6)
 
 
+class Bypassed(Attention):
+    """Found by the SDPA call and the softmax in its code, which this path never reaches."""
+
+    def forward(self, x):
+        return self.proj(x)
+
+
 def test_a_module_that_ran_without_its_sdpa_call_is_named_apart_from_modules_that_never_ran(tmp_path):
     """A module found by the SDPA call in its code that computes attention another way on this run (a Hugging Face
     model without attention records, under eager attention) is said to have run without the call, not not to have
     run; nothing of it is logged."""
     monitor = AttentionMonitor(vocab_size=12, token_ids="ids")
+    model = TinyGPT()
+    for block in model.blocks:
+        block.attn = Bypassed()
     with pytest.warns(UserWarning) as caught:
-        run(tmp_path, TinyGPT(eager=True), monitor, gpt_batches())
+        run(tmp_path, model, monitor, gpt_batches())
     said = [str(w.message) for w in caught if "AttentionMonitor: attention module(s)" in str(w.message)]
     assert len(said) == 1, said
     assert "'model.blocks.0.attn', 'model.blocks.1.attn' ran in 2 monitored batch(es) but never called" in said[0]
     assert "attn_implementation='eager'" in said[0]
+
+
+def by_hand_attention(q, k, mask):
+    """The Annotated Transformer's ``attention()``: a helper of the file, masked with -1e9."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    return scores.masked_fill(mask == 0, -1e9).softmax(dim=-1)
+
+
+class Tutorial(nn.Module):
+    """Causal self-attention written by hand, in the style of a tutorial: minGPT (``@``, ``F.softmax``, ``-inf``),
+    the Annotated Transformer (a helper, ``Tensor.softmax``, ``-1e9``), lucidrains (``einsum``, an ``nn.Softmax``,
+    the dtype's minimum), Karpathy's one-head ``Head`` (``(B, T, T)``, ``torch.softmax``) or d2l (``bmm`` over
+    ``(B · H, T, T)`` with ``num_heads``, ``-1e6``). Keeps its weights ``(B, H, T, T)`` for the float64 reference."""
+
+    def __init__(self, style, dim=16, heads=2):
+        super().__init__()
+        self.qkv, self.proj, self.style = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), style
+        self.h = 1 if style == "karpathy" else heads
+        if style == "einsum":
+            self.attend = nn.Softmax(dim=-1)
+        if style == "d2l":
+            self.num_heads = heads
+
+    def forward(self, x):
+        b_, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b_, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))  # (B, H, T, C/H)
+        future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        scale = 1 / math.sqrt(c // self.h)
+        if self.style == "mingpt":
+            att = F.softmax(((q @ k.transpose(-2, -1)) * scale).masked_fill(future, -math.inf), dim=-1)
+        elif self.style == "annotated":
+            att = by_hand_attention(q, k, ~future)
+        elif self.style == "einsum":
+            sim = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+            att = self.attend(sim.masked_fill(future, torch.finfo(sim.dtype).min))
+        elif self.style == "karpathy":
+            q, k = q[:, 0], k[:, 0]  # (B, T, C)
+            att = torch.softmax((q @ k.transpose(-2, -1) * scale).masked_fill(future, -math.inf), -1)[:, None]
+        else:  # d2l
+            q, k = q.reshape(b_ * self.h, t, -1), k.reshape(b_ * self.h, t, -1)  # (B · H, T, C/H)
+            att = torch.softmax(torch.bmm(q, k.transpose(1, 2)).mul(scale).masked_fill(future, -1e6), dim=-1)
+            att = att.view(b_, self.h, t, t)
+        self.weights = att
+        return self.proj((att @ v).transpose(1, 2).reshape(b_, t, c))
+
+
+class HandGPT(LightningModule):
+    def __init__(self, style):
+        super().__init__()
+        torch.manual_seed(3)
+        self.model = TinyGPT(heads=2, layers=1)
+        self.model.blocks[0].attn = Tutorial(style)
+        with torch.no_grad():  # logits hundreds apart: float32 rounds many allowed keys' weights to 0
+            self.model.blocks[0].attn.qkv.weight[:16] *= 400
+        self.outputs = []
+
+    def validation_step(self, batch, batch_idx):
+        self.outputs.append(self.model(batch["ids"]))
+
+
+@pytest.mark.parametrize("style", ["mingpt", "annotated", "einsum", "karpathy", "d2l"])
+def test_attention_computed_by_hand_is_read_from_its_softmax_as_a_float64_loop_outputs_untouched(tmp_path, style):
+    """The softmax's output is the weights, its input's masked scores the keys allowed: S, C, Q, U and the position
+    sums equal a float64 loop over the float64 twin's weights with the causal mask, U counting the allowed keys whose
+    weight float32 rounded to 0; the model's outputs are the same bits as unmonitored."""
+    batches = gpt_batches()
+    plain = HandGPT(style)
+    Trainer(accelerator=ACCELERATOR, logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
+        plain, DataLoader(batches, batch_size=None), verbose=False
+    )
+    lit = HandGPT(style)
+    Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")], enable_progress_bar=False,
+        enable_model_summary=False,
+    ).validate(lit, DataLoader(batches, batch_size=None), verbose=False)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(plain.outputs, lit.outputs, strict=True))
+    stats = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules["model.blocks.0.attn"]
+
+    twin = HandGPT(style).double()
+    causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(3, 9, 9)
+    heads = 1 if style == "karpathy" else 2
+    S, C, Q = torch.zeros(heads, 12, 12), torch.zeros(12, 12), torch.zeros(12)
+    U, position = torch.zeros(12, 12), torch.zeros(6, heads)
+    S, C, Q, U, position = (t.double() for t in (S, C, Q, U, position))
+    underflowed = 0
+    with torch.no_grad():
+        for batch in batches:
+            ids, valid = batch["ids"], torch.ones_like(batch["ids"], dtype=torch.bool)
+            twin.model(ids)
+            weights = twin.model.blocks[0].attn.weights  # (B, H, T, T) float64
+            underflowed += int((causal & (weights.float().amax(dim=1) == 0)).sum())
+            s, c, q, skipped = naive_accumulate(weights, ids, ids, valid, valid, 12, 12, causal)
+            assert skipped == 0
+            S, C, Q = S + s, C + c, Q + q
+            U += naive_uniform(weights, ids, ids, valid, valid, 12, 12, causal)
+            position += naive_position_sums(weights, valid, valid, causal)
+    assert underflowed > 20
+    assert int(stats.skipped_rows) == 0
+    torch.testing.assert_close(stats.attention_sum.double(), S, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.pair_count.double(), C)
+    torch.testing.assert_close(stats.query_count.double(), Q)
+    torch.testing.assert_close(stats.uniform_sum.double(), U, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.position_sums.double(), position, rtol=1e-5, atol=1e-4)
+
+
+def test_nanogpt_manual_fallback_logs_what_its_sdpa_path_logs(tmp_path):
+    """nanoGPT computes attention by hand where flash attention is off: both paths of one module log the same."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    monitor = functools.partial(AttentionMonitor, vocab_size=12, token_ids="ids")
+    _, with_sdpa = run(tmp_path / "sdpa", model, monitor(), gpt_batches())
+    for block in model.blocks:
+        block.attn.eager = True
+    _, by_hand = run(tmp_path / "hand", model, monitor(), gpt_batches())
+    want, got = scalars(with_sdpa), scalars(by_hand)
+    assert sorted(got) == sorted(want) and len(want) > 20
+    for tag, value in want.items():
+        assert got[tag] == pytest.approx(value, rel=1e-5, abs=1e-6), tag
+
+
+def test_softmaxes_that_are_not_over_attention_keys_are_not_read():
+    """A module computing attention by hand also takes other softmaxes: over another dimension, of a vector."""
+
+    class Pooled(nn.Module):
+        def forward(self, x):  # (B, T, C)
+            att = F.softmax(x @ x.transpose(-2, -1), dim=-1)  # (B, T, T): read, one head
+            pooled = torch.softmax(x.sum(-1), dim=-1)  # (B, T): not attention
+            across = F.softmax(att, dim=1)  # over the queries: not read
+            return att @ x + pooled[..., None] + across @ x
+
+    x = torch.randn(2, 5, 4)
+    model = nn.Sequential(Pooled())
+    with torch.no_grad(), capture_attention(model) as weights:
+        model(x)
+    assert list(weights) == ["0"] and len(weights["0"]) == 1
+    torch.testing.assert_close(weights["0"][0], F.softmax(x @ x.transpose(-2, -1), dim=-1)[:, None])

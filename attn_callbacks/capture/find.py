@@ -12,7 +12,14 @@ import torch
 from torch import nn
 
 from attn_callbacks.capture import hf
-from attn_callbacks.capture.sdpa import calls_sdpa, unreadable_attention, unreadable_message
+from attn_callbacks.capture.sdpa import (
+    HEAD_ATTRIBUTES,
+    calls_sdpa,
+    computes_attention,
+    declared_heads,
+    unreadable_attention,
+    unreadable_message,
+)
 
 __all__ = [
     "WRAPPER_PARTS",
@@ -53,14 +60,13 @@ def output_indices(model: nn.Module) -> dict[str, int]:
     return {clean_name(name): index for name, index in hf.attention_outputs(model).items()}
 
 
-_HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # MHA, BERT, DistilBERT / T5, GPT-2
-
-
 def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = None) -> dict[str, nn.Module]:
     """Every attention module in ``model`` by its ``named_modules()`` name without wrapper parts (:func:`clean_name`),
     optionally filtered: each ``nn.MultiheadAttention``, each Hugging Face attention module (``attn_callbacks[hf]``;
-    eager or sdpa attention), and each other module whose code calls ``scaled_dot_product_attention``
-    (:func:`attn_callbacks.capture.sdpa.calls_sdpa`; not the model itself, nor one inside the modules above).
+    eager or sdpa attention), each other module whose code calls ``scaled_dot_product_attention``
+    (:func:`attn_callbacks.capture.sdpa.calls_sdpa`) and each one computing attention by hand, a softmax and a matrix
+    product in its code (:func:`attn_callbacks.capture.sdpa.computes_attention`; not one holding attention modules);
+    not the model itself, nor one inside the first two kinds.
 
     Args:
         model: the model to search.
@@ -83,15 +89,16 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     found = _candidates(named, hf_modules)
     if not found:
         itself = (
-            f"; {type(model).__name__} itself calls scaled_dot_product_attention, but attention is read from the "
-            "modules inside the model: move it into an nn.Module of its own, stored on the model"
-            if calls_sdpa(model)
+            f"; {type(model).__name__} itself calls scaled_dot_product_attention (or a softmax and a matrix product), "
+            "but attention is read from the modules inside the model: move it into an nn.Module of its own, stored "
+            "on the model"
+            if calls_sdpa(model) or computes_attention(model)
             else ""
         )
         raise ValueError(
-            "No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
-            f"scaled_dot_product_attention found in the model ({type(model).__name__}){itself}"
-            f"{hf.unsupported_hint(model)}"
+            "No torch.nn.MultiheadAttention, Hugging Face attention module, module calling "
+            "scaled_dot_product_attention or module computing attention by hand (a softmax and a matrix product) "
+            f"found in the model ({type(model).__name__}){itself}{hf.unsupported_hint(model)}"
         )
     if patterns is not None:
         found = _filter(named, found, patterns)
@@ -111,10 +118,18 @@ def attention_candidates(model: nn.Module) -> dict[str, nn.Module]:
 def _candidates(named: Mapping[str, nn.Module], hf_modules: Mapping[str, int]) -> dict[str, nn.Module]:
     found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
     inside = tuple(f"{name}." for name in found)  # their inner modules' calls are theirs
+    by_hand = set()
     for name, module in named.items():
-        if name and name not in found and not name.startswith(inside) and _calls_attention(module):
-            found[name] = module
-    return {name: found[name] for name in named if name in found}
+        if name and name not in found and not name.startswith(inside):
+            if _calls_attention(module):
+                found[name] = module
+            elif computes_attention(module):
+                found[name] = module
+                by_hand.add(name)
+    # A module taking a softmax and a product that holds attention modules is their container (a model whose
+    # generate() samples from a softmax, say), not attention of its own.
+    holders = {name for name in by_hand if any(other.startswith(f"{name}.") for other in found)}
+    return {name: found[name] for name in named if name in found and name not in holders}
 
 
 def _calls_attention(module: nn.Module) -> bool:
@@ -159,11 +174,9 @@ def num_heads(module: nn.Module, name: str = "") -> int:
     owners = [module, getattr(module, "config", None)]
     owners += [owner for child in module.children() for owner in (child, getattr(child, "config", None))]
     for owner in owners:
-        for attribute in _HEAD_ATTRIBUTES:
-            value = getattr(owner, attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
+        if (heads := declared_heads(owner)) is not None:
+            return heads
     raise ValueError(
         f"Cannot tell the number of heads of attention module {name!r} ({type(module).__name__}): none of "
-        f"{', '.join(_HEAD_ATTRIBUTES)} is a positive integer on the module, its `config` or its children"
+        f"{', '.join(HEAD_ATTRIBUTES)} is a positive integer on the module, its `config` or its children"
     )

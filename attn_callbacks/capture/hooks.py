@@ -10,7 +10,8 @@ Hugging Face attention modules (see :mod:`attn_callbacks.capture.hf`) return the
 runs eager attention: a forward hook alone reads them, and everything downstream is the same. Modules that call
 ``torch.nn.functional.scaled_dot_product_attention`` (Hugging Face ones run with ``attn_implementation="sdpa"``
 included) are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch` instead, a watch per batch
-(:meth:`AttentionCapture.watching`), entered while each of their forwards runs.
+(:meth:`AttentionCapture.watching`), entered while each of their forwards runs; so are modules computing attention by
+hand, whose softmax the watch reads.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from attn_callbacks.capture.find import (
     output_indices,
     reads_output,
 )
-from attn_callbacks.capture.sdpa import SdpaCensus, SdpaWatch
+from attn_callbacks.capture.sdpa import SdpaCensus, SdpaWatch, computes_attention
 from attn_callbacks.capture.switches import EagerCompile, FastpathOff, GlobalSwitch
 
 __all__ = ["AttentionCapture", "capture_attention"]
@@ -88,6 +89,8 @@ class AttentionCapture:
             for name, module in self.modules.items()
             if not isinstance(module, nn.MultiheadAttention) and not reads_output(module, name, self.output_index)
         }
+        # Watched modules computing attention by hand: their softmaxes are read too.
+        self.by_hand = {name for name, module in self.watched.items() if computes_attention(module)}
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
@@ -189,7 +192,7 @@ class AttentionCapture:
         ``TorchFunctionMode`` that the watched modules' hooks enter while their forward runs (modes of the user's
         entered around it nest as usual); a no-op without watched modules or when already watching."""
         if self.watched and self._watch is None:
-            self._watch = SdpaWatch(self.watched, self._watched_call, warned=self._dropout_warned)
+            self._watch = SdpaWatch(self.watched, self._watched_call, warned=self._dropout_warned, by_hand=self.by_hand)
 
     def stop_watching(self) -> None:
         """Stop seeing SDPA calls (a forward already running keeps the watch until it returns)."""
@@ -420,13 +423,14 @@ def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) ->
 
     Args:
         model: any ``nn.Module`` containing ``nn.MultiheadAttention`` modules (stock transformer layers included),
-            Hugging Face attention modules (eager or sdpa attention) or modules calling
-            ``scaled_dot_product_attention``.
+            Hugging Face attention modules (eager or sdpa attention), modules calling
+            ``scaled_dot_product_attention`` or modules computing attention by hand (a softmax and a matrix product).
         modules: optional fnmatch patterns over module names, as in :func:`find_attention_modules`.
 
     Yields:
         A dict: module name -> list of weight tensors ``(B, H, Lq, Lk)``, one per call, detached (SDPA calls: the
-        weights recomputed, and a module's k-th call of the block under ``f"{name}.call{k}"``).
+        weights recomputed; a softmax computed by hand: its output; a module's k-th call of the block under
+        ``f"{name}.call{k}"``).
 
     Example:
         >>> layer = nn.TransformerEncoderLayer(8, 2, batch_first=True)

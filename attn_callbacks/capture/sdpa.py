@@ -19,18 +19,23 @@ modules whose code calls the function (:func:`calls_sdpa`), and Hugging Face att
 while a watched module's forward runs (:class:`attn_callbacks.capture.hooks.AttentionCapture`), so the rest of the
 model's ops never pass through it. Calls are numbered per module from the watch's making on (one watch per batch), so
 that a module calling it several times per batch can name them apart.
+
+The same watch reads attention written by hand (:func:`computes_attention`: a softmax and a matrix product in a
+module's code, as minGPT writes it): the softmax such a module takes over the keys of its scores is the weights it
+applies, read as they are, nothing recomputed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import math
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +51,7 @@ __all__ = [
     "SdpaCensus",
     "SdpaWatch",
     "calls_sdpa",
+    "computes_attention",
     "sdpa_allowed",
     "sdpa_weights",
     "unreadable_attention",
@@ -56,6 +62,18 @@ SDPA_NAME = "scaled_dot_product_attention"
 
 #: Names of attention functions that return no weights and that the watch cannot recompute.
 _UNREADABLE = ("flex_attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func")
+
+#: The softmax functions a module computing attention by hand may call (``nn.Softmax`` calls the second).
+_SOFTMAX = frozenset({torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax})
+
+#: Attributes by which attention modules say how many heads they have: MHA, BERT, DistilBERT / T5, GPT-2.
+HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+
+#: Names and the operator (``"@"``) of a matrix product, as :func:`computes_attention` looks for one.
+_PRODUCTS = frozenset({"@", "matmul", "bmm", "baddbmm", "einsum"})
+
+#: Python 3.10's opcodes of ``@`` (3.11 on: ``BINARY_OP`` with argrepr ``@``).
+_MATMUL_OPS = ("BINARY_MATRIX_MULTIPLY", "INPLACE_MATRIX_MULTIPLY")
 
 #: At most this many bytes of float32 weights (and their temporaries) per chunk of samples: one sample at least.
 CHUNK_BYTES = 64 * 2**20
@@ -151,6 +169,27 @@ def calls_sdpa(module: nn.Module) -> bool:
     return _names_in(module, SDPA_NAME, depth=2)
 
 
+def computes_attention(module: nn.Module) -> bool:
+    """Whether ``module`` computes attention by hand: the code of its class (as :func:`calls_sdpa` reads it) takes a
+    softmax (``torch.softmax``, ``F.softmax``, ``Tensor.softmax`` or an ``nn.Softmax`` child) and a matrix product
+    (``@``, ``matmul``, ``bmm``, ``einsum``): minGPT, the Annotated Transformer, lucidrains-style modules. Modules of
+    ``torch`` and ``transformers`` are read their own ways and never count; static detection, no call made."""
+    if type(module).__module__.split(".")[0] in ("torch", "transformers"):
+        return False
+    names = _class_names(type(module), 2) | frozenset().union(*(_code_names(v, 2) for v in vars(module).values()))
+    softmax = "softmax" in names or any(isinstance(child, nn.Softmax) for child in module.children())
+    return softmax and not names.isdisjoint(_PRODUCTS)
+
+
+def declared_heads(module: nn.Module) -> int | None:
+    """The number of heads ``module`` declares in one of :data:`HEAD_ATTRIBUTES`, or None."""
+    for attribute in HEAD_ATTRIBUTES:
+        value = getattr(module, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def unreadable_attention(module: nn.Module) -> str | None:
     """The attention function returning no weights (flex attention, the ``flash_attn`` package) that ``module``'s code
     names while it never names ``scaled_dot_product_attention``, or None."""
@@ -195,6 +234,11 @@ def _code_names(function: Any, depth: int = 0) -> frozenset[str]:
     while stack:
         inner = stack.pop()
         names.update(inner.co_names + inner.co_freevars)
+        if any(
+            op.opname in _MATMUL_OPS or (op.opname == "BINARY_OP" and op.argrepr in ("@", "@="))
+            for op in dis.get_instructions(inner)
+        ):
+            names.add("@")  # the operator has no name in the code: stands for it
         stack.extend(const for const in inner.co_consts if isinstance(const, types.CodeType))
     if depth:
         # What the names stand for: the variables of the enclosing scope, else the function's globals.
@@ -252,9 +296,11 @@ class SdpaWatch(TorchFunctionMode):
         consumer: ChunkConsumer,
         chunk_bytes: int = CHUNK_BYTES,
         warned: set[str] | None = None,
+        by_hand: Collection[str] = (),
     ):
         super().__init__()
         self.modules = {id(module): (name, module) for name, module in modules.items()}
+        self.by_hand = frozenset(by_hand)
         self.consumer = consumer
         self.chunk_bytes = chunk_bytes
         self.warned = set() if warned is None else warned
@@ -270,6 +316,10 @@ class SdpaWatch(TorchFunctionMode):
             found = self._owner(sys._getframe(1))
             if found is not None:
                 self._hand_on(*found, args, kwargs)
+        elif func in _SOFTMAX and self.by_hand:
+            found = self._owner(sys._getframe(1))
+            if found is not None and found[0] in self.by_hand:
+                self._read_softmax(*found, args, kwargs, output)
         elif getattr(func, "__name__", None) == "flex_attention":
             found = self._owner(sys._getframe(1))
             if found is not None:
@@ -280,10 +330,36 @@ class SdpaWatch(TorchFunctionMode):
         """The innermost watched module with a method on the call's stack."""
         return next((self.modules[id(s)] for s in _method_owners(frame) if id(s) in self.modules), None)
 
-    def _hand_on(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        call = _SIGNATURE.bind(*args, **kwargs).arguments
+    def _index(self, name: str) -> int:
         index = self.calls.get(name, 0)
         self.calls[name] = index + 1
+        return index
+
+    def _read_softmax(self, name: str, module: nn.Module, args: tuple, kwargs: dict, weights: Any) -> None:
+        """A softmax of a module computing attention by hand, read where it is one over the keys of ``(B, H, Lq, Lk)``
+        scores, or of ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)`` where the module says its heads): its output is the weights
+        the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask rule
+        reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). Other softmaxes are not attention."""
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        scores = args[0] if args else kwargs.get("input")
+        if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() not in (3, 4):
+            return
+        if dim % weights.dim() != weights.dim() - 1 or not isinstance(scores, Tensor) or scores.shape != weights.shape:
+            return
+        with torch.no_grad():
+            allowed = float_mask_allows(scores.detach())
+            weights = weights.detach()
+            if weights.dim() == 3:
+                heads = declared_heads(module) or 1
+                heads = heads if weights.size(0) % heads == 0 else 1
+                weights = weights.reshape(-1, heads, *weights.shape[1:])  # (B · H, Lq, Lk) -> (B, H, Lq, Lk)
+                allowed = allowed.reshape(weights.shape)
+            batch = weights.size(0)
+            self.consumer(name, self._index(name), module, weights, slice(0, batch), batch, allowed.any(dim=1))
+
+    def _hand_on(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = _SIGNATURE.bind(*args, **kwargs).arguments
+        index = self._index(name)
         query, key, mask = call["query"], call["key"], call.get("attn_mask")
         dropout = call.get("dropout_p", 0.0)
         if dropout and name not in self.warned:  # the weights below are dropout's expectation, not what was applied

@@ -30,7 +30,7 @@ class Warnings:
 
     def silent(self, silent: list[str], batches: int, ran: Collection[str] = ()) -> None:
         """Hooked modules ``silent`` never ran in the epoch's ``batches`` monitored batches (once per set of names);
-        or, those in ``ran``, ran without calling ``scaled_dot_product_attention``."""
+        or, those in ``ran``, ran without calling ``scaled_dot_product_attention`` or a softmax the monitor reads."""
         if not batches:
             return
         quiet = [name for name in silent if name in ran]
@@ -39,7 +39,8 @@ class Warnings:
             self.once(
                 f"no_sdpa:{','.join(quiet)}",
                 f"AttentionMonitor: attention module(s) {', '.join(map(repr, quiet))} ran in {batches} monitored "
-                "batch(es) but never called scaled_dot_product_attention, where setup found a call in their code: "
+                "batch(es) but never called scaled_dot_product_attention, nor took a softmax over the last "
+                "dimension of (B, H, Lq, Lk) or (B, Lq, Lk) scores, where setup found such calls in their code: "
                 "they compute attention another way on this path, which the monitor cannot read (a Hugging Face "
                 "model that declares no attention outputs, run with attn_implementation='eager', say: load it with "
                 "'sdpa'). Nothing was seen of them; leave them out with `modules=`.",
