@@ -51,7 +51,9 @@ class AttentionMonitor(MonitorOptions, Callback):
         """Find the attention modules and decide their token streams; misconfiguration fails here, not mid-epoch."""
         try:
             modules = find_attention_modules(pl_module, self.modules)
-            self._capture = AttentionCapture(modules, self._consume, output_index=output_indices(pl_module))
+            self._capture = AttentionCapture(
+                modules, self._consume, output_index=output_indices(pl_module), expect=self._expected
+            )
             kept_calls = self._sites.setup(modules, self._capture.watched)
             self._streams.wire(list(modules), pl_module, self.attention_streams)
             for name in kept_calls:
@@ -136,8 +138,13 @@ class AttentionMonitor(MonitorOptions, Callback):
         if not self._active:
             return
         drift_epoch = not (trainer.sanity_checking or trainer.testing)
-        silent = [name for name, count in self._capture.calls.items() if count == 0]  # before the probe's own batch
-        self._report.warnings.silent(silent, self._monitored_batches, self._capture.ran())
+        # Before the probe's own batch. A module found by a softmax and a product in its code that ran and read
+        # nothing is not attention, or took softmaxes over the keys it could not read (named apart).
+        ran = self._capture.ran()
+        quiet = {name for name in self._capture.hand_only if name in ran}
+        silent = [name for name, count in self._capture.calls.items() if count == 0 and name not in quiet]
+        self._report.warnings.silent(silent, self._monitored_batches, ran)
+        self._report.warnings.unread(self._capture.by_hand.unread)
         try:
             if self._probe.own_batch and drift_epoch:
                 self._capture.attach()  # detached after `limit_batches`
@@ -290,6 +297,10 @@ class AttentionMonitor(MonitorOptions, Callback):
             self._capture.detach()
         self._streams.end_batch()
         self._probe.capturing = self._probe.only = False
+
+    def _expected(self, site: str) -> tuple[int, int, int] | None:
+        """``(B, Lq, Lk)`` of a site's token streams in the current batch (a softmax computed by hand must fit)."""
+        return self._streams.expected(site, self._sites.base(site), self.attention_streams)
 
     def _consume(
         self, name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int, allowed: Tensor | None = None

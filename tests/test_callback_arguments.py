@@ -141,8 +141,8 @@ class BareModel(LightningModule):
 def test_callback_misconfigured_model_fails_in_setup_naming_module(tmp_path):
     with pytest.raises(
         MisconfigurationException,
-        match="No torch.nn.MultiheadAttention, Hugging Face attention module or module calling "
-        "scaled_dot_product_attention "
+        match="No torch.nn.MultiheadAttention, Hugging Face attention module, module calling "
+        "scaled_dot_product_attention or module computing attention by hand .a softmax and a matrix product. "
         "found in the model",
     ):
         run_validate(

@@ -768,7 +768,8 @@ class Tutorial(nn.Module):
     """Causal self-attention written by hand, in the style of a tutorial: minGPT (``@``, ``F.softmax``, ``-inf``),
     the Annotated Transformer (a helper, ``Tensor.softmax``, ``-1e9``), lucidrains (``einsum``, an ``nn.Softmax``,
     the dtype's minimum), Karpathy's one-head ``Head`` (``(B, T, T)``, ``torch.softmax``) or d2l (``bmm`` over
-    ``(B · H, T, T)`` with ``num_heads``, ``-1e6``). Keeps its weights ``(B, H, T, T)`` for the float64 reference."""
+    ``(B · H, T, T)``, ``-1e6``: the batch's size tells the heads). Keeps its weights ``(B, H, T, T)`` for the float64
+    reference."""
 
     def __init__(self, style, dim=16, heads=2):
         super().__init__()
@@ -776,8 +777,6 @@ class Tutorial(nn.Module):
         self.h = 1 if style == "karpathy" else heads
         if style == "einsum":
             self.attend = nn.Softmax(dim=-1)
-        if style == "d2l":
-            self.num_heads = heads
 
     def forward(self, x):
         b_, t, c = x.shape
@@ -894,3 +893,138 @@ def test_softmaxes_that_are_not_over_attention_keys_are_not_read():
         model(x)
     assert list(weights) == ["0"] and len(weights["0"]) == 1
     torch.testing.assert_close(weights["0"][0], F.softmax(x @ x.transpose(-2, -1), dim=-1)[:, None])
+
+
+class Router(nn.Module):
+    """A mixture-of-experts gate as many as the tokens: ``x @ W`` and a softmax over the last dimension, (B, T, E)."""
+
+    def __init__(self, dim=16, experts=9):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.randn(dim, experts))
+
+    def forward(self, x):
+        return F.softmax(x @ self.w_gate, dim=-1)
+
+
+class Pooling(nn.Module):
+    """Attention pooling: a softmax over the positions, (B, T), and a batched product with it."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.w = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return torch.bmm(self.w(x).squeeze(-1).softmax(dim=-1)[:, None], x)
+
+
+class TiedHead(nn.Module):
+    def __init__(self, emb):
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, x):
+        return torch.softmax(x @ self.emb.weight.T, dim=-1)
+
+
+class WithHeads(LightningModule):
+    """Attention by hand beside modules that take a softmax and a product but make no attention scores."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyGPT(heads=2, layers=1)
+        self.model.blocks[0].attn = Tutorial("mingpt")
+        self.router, self.pool, self.tied = Router(), Pooling(), TiedHead(nn.Embedding(9, 16))
+
+    def validation_step(self, batch, batch_idx):
+        x = self.model.emb(batch["ids"])
+        self.model(batch["ids"])
+        self.router(x), self.pool(x), self.tied(x)
+
+
+def test_modules_taking_a_softmax_and_a_product_but_no_attention_scores_are_neither_read_nor_warned_about(tmp_path):
+    """A router whose experts are as many as the tokens (its softmax has the shape of attention), a pooling and a
+    tied output head: found by their code, never read (no product of two batched tensors makes their softmax's
+    input), never named in a warning; the attention beside them is read."""
+    batches = gpt_batches()
+    monitor = AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(
+            default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+            callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+        ).validate(WithHeads(), DataLoader(batches, batch_size=None), verbose=False)  # fmt: skip
+    assert set(find_attention_modules(WithHeads())) == {"model.blocks.0.attn", "router", "pool", "tied"}
+    assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn"]
+    named = [str(w.message) for w in caught if "AttentionMonitor" in str(w.message) and "'router'" in str(w.message)]
+    named += [str(w.message) for w in caught if "'pool'" in str(w.message) or "'tied'" in str(w.message)]
+    assert named == []
+
+
+class StepDecoder(nn.Module):
+    """Dot-product attention over the sequence, one query position per call, as a decoder loop takes it."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        out = []
+        for t in range(x.size(1)):
+            scores = torch.bmm(self.q(x[:, t : t + 1]), x.transpose(1, 2))  # (B, 1, T)
+            out.append(torch.bmm(F.softmax(scores, dim=-1), x))
+        return torch.cat(out, dim=1)
+
+
+class Stepping(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = TinyGPT(heads=2, layers=1)
+        self.step = StepDecoder()
+
+    def validation_step(self, batch, batch_idx):
+        self.step(self.model.emb(batch["ids"]))
+        self.model(batch["ids"])
+
+
+def test_softmax_over_scores_that_do_not_fit_the_tokens_is_not_read_and_named_with_its_shape(tmp_path):
+    """Attention one query position per call cannot be matched to the batch's tokens: skipped, named once with the
+    shape it had and the tokens', while the model's other attention is read."""
+    monitor = AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")
+    with pytest.warns(UserWarning) as caught:
+        Trainer(
+            default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+            callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+        ).validate(Stepping(), DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
+    said = [str(w.message) for w in caught if "that were not read" in str(w.message)]
+    assert len(said) == 1 and "'step': (3, 1, 9) for tokens (B, Lq, Lk) = (3, 9, 9)" in said[0], said
+    assert "one query position per call" in said[0]
+    assert not [w for w in caught if "never called" in str(w.message) or "never ran" in str(w.message)]
+    assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn"]
+
+
+def test_capture_attention_splits_batch_major_scores_by_the_heads_the_module_or_its_caller_declares():
+    """Outside Lightning the batch's size is not known: (B · H, T, T) scores are split by a ``num_heads`` of the
+    module taking the softmax or of the module calling it (d2l keeps it on the multi-head module)."""
+
+    class DotProduct(nn.Module):
+        def forward(self, q, k):  # (B · H, T, E)
+            return torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1)
+
+    class MultiHead(nn.Module):
+        def __init__(self, heads):
+            super().__init__()
+            self.num_heads, self.attention = heads, DotProduct()
+
+        def forward(self, x):  # (B, T, E)
+            b_, t, e = x.shape
+            per_head = x.reshape(b_, t, self.num_heads, e // self.num_heads).transpose(1, 2)  # (B, H, T, E/H)
+            flat = per_head.reshape(b_ * self.num_heads, t, -1)
+            return self.attention(flat, flat)
+
+    model = nn.Sequential(MultiHead(2))
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad(), capture_attention(model) as weights:
+        model(x)
+    per_head = x.reshape(3, 5, 2, 4).transpose(1, 2)
+    torch.testing.assert_close(weights["0.attention"][0], torch.softmax(per_head @ per_head.transpose(-2, -1), dim=-1))

@@ -36,7 +36,7 @@ from attn_callbacks.capture.find import (
     output_indices,
     reads_output,
 )
-from attn_callbacks.capture.sdpa import SdpaCensus, SdpaWatch, computes_attention
+from attn_callbacks.capture.sdpa import ByHand, SdpaCensus, SdpaWatch, calls_sdpa, computes_attention
 from attn_callbacks.capture.switches import EagerCompile, FastpathOff, GlobalSwitch
 
 __all__ = ["AttentionCapture", "capture_attention"]
@@ -71,6 +71,8 @@ class AttentionCapture:
             capture attached at the time detaches).
         output_index: for Hugging Face attention modules, the index of the weights in their output tuple
             (:func:`attn_callbacks.capture.hf.attention_outputs`); modules not named here are hooked or watched.
+        expect: site name -> ``(B, Lq, Lk)`` of its token streams in the current batch: a softmax computed by hand is
+            read only where it fits them (see :class:`~attn_callbacks.capture.sdpa.ByHand`); None reads every one.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class AttentionCapture:
         consumer: WeightsConsumer,
         disable_fastpath: bool = True,
         output_index: Mapping[str, int] | None = None,
+        expect: Callable[[str], tuple[int, int, int] | None] | None = None,
     ) -> None:
         self.modules = dict(modules)
         self.consumer = consumer
@@ -90,7 +93,11 @@ class AttentionCapture:
             if not isinstance(module, nn.MultiheadAttention) and not reads_output(module, name, self.output_index)
         }
         # Watched modules computing attention by hand: their softmaxes are read too.
-        self.by_hand = {name for name, module in self.watched.items() if computes_attention(module)}
+        names = frozenset(name for name, module in self.watched.items() if computes_attention(module))
+        self.by_hand = ByHand(names, expect)
+        # Those with no SDPA call: one that ran and read nothing is not attention (a router, a pooling, an output
+        # head), unless it took a softmax over the keys it could not read (by_hand.unread, warned about).
+        self.hand_only = frozenset(name for name in names if not calls_sdpa(self.watched[name]))
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
@@ -127,6 +134,7 @@ class AttentionCapture:
         """Start counting calls per module (:attr:`calls`, :meth:`ran`) from 0."""
         self.calls = dict.fromkeys(self.modules, 0)
         self._forwards.clear()
+        self.by_hand.unread.clear()
 
     def ran(self) -> set[str]:
         """The watched modules whose forward ran in a watched batch since :meth:`reset_calls`, whether or not they

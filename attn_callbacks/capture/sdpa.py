@@ -28,6 +28,7 @@ applies, read as they are, nothing recomputed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import dis
 import functools
 import inspect
@@ -35,7 +36,7 @@ import math
 import sys
 import types
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from attn_callbacks.base.tensor_ops import float_mask_allows
 
 __all__ = [
     "CHUNK_BYTES",
+    "ByHand",
     "SdpaCensus",
     "SdpaWatch",
     "calls_sdpa",
@@ -65,6 +67,16 @@ _UNREADABLE = ("flex_attention", "flash_attn_func", "flash_attn_varlen_func", "f
 
 #: The softmax functions a module computing attention by hand may call (``nn.Softmax`` calls the second).
 _SOFTMAX = frozenset({torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax})
+
+#: The matrix products that make attention scores, each with the operands of its arguments.
+_PRODUCT_OPERANDS: dict[Any, Callable[[tuple], Iterable[Any]]] = {
+    **dict.fromkeys(
+        (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm),
+        lambda args: args[:2],
+    ),
+    **dict.fromkeys((torch.baddbmm, torch.Tensor.baddbmm), lambda args: args[1:3]),
+    torch.einsum: lambda args: args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:],
+}
 
 #: Attributes by which attention modules say how many heads they have: MHA, BERT, DistilBERT / T5, GPT-2.
 HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -276,9 +288,28 @@ def _full(cell: types.CellType) -> bool:
 ChunkConsumer = Callable[[str, int, nn.Module, Tensor, slice, int, Tensor], None]
 
 
+@dataclasses.dataclass
+class ByHand:
+    """What the watches of one capture share about its modules computing attention by hand (:func:`computes_attention`).
+
+    Attributes:
+        names: those modules.
+        expect: site name -> ``(B, Lq, Lk)``, the batch size and the query and key lengths of the site's token
+            streams in the current batch (None: not known, every attention-shaped softmax is read).
+        unread: site -> the shape of a softmax over the keys that was not read, and the expected ``(B, Lq, Lk)``:
+            over scores that do not fit ``expect``, or over as many entries as the keys that no product of two
+            batched tensors made (additive attention).
+    """
+
+    names: frozenset[str]
+    expect: Callable[[str], tuple[int, int, int] | None] | None = None
+    unread: dict[str, tuple[tuple[int, ...], tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
+
+
 class SdpaWatch(TorchFunctionMode):
     """Sees ``scaled_dot_product_attention`` calls made inside watched modules while entered, and hands their
-    recomputed weights on, a chunk of samples at a time. Outputs are the function's own, untouched.
+    recomputed weights on, a chunk of samples at a time; and reads the softmax of the modules computing attention by
+    hand. Outputs are the functions' own, untouched.
 
     Args:
         modules: name -> module whose calls are watched; a call belongs to the innermost one whose method made it.
@@ -288,6 +319,7 @@ class SdpaWatch(TorchFunctionMode):
         chunk_bytes: the most bytes of weights per consumer call (at least one sample).
         warned: names of the modules already warned about calling with dropout (shared by the watches of one
             capture, so that each module is named once).
+        by_hand: the modules computing attention by hand, and what the watches share about them.
     """
 
     def __init__(
@@ -296,15 +328,17 @@ class SdpaWatch(TorchFunctionMode):
         consumer: ChunkConsumer,
         chunk_bytes: int = CHUNK_BYTES,
         warned: set[str] | None = None,
-        by_hand: Collection[str] = (),
+        by_hand: ByHand | None = None,
     ):
         super().__init__()
         self.modules = {id(module): (name, module) for name, module in modules.items()}
-        self.by_hand = frozenset(by_hand)
+        self.by_hand = ByHand(frozenset()) if by_hand is None else by_hand
         self.consumer = consumer
         self.chunk_bytes = chunk_bytes
         self.warned = set() if warned is None else warned
         self.calls: dict[str, int] = {}  # calls per watched module since this watch was made
+        self.scores: dict[str, set[tuple[int, ...]]] = {}  # by-hand module -> shapes of its batched products
+        self.logits: dict[str, set[tuple[int, ...]]] = {}  # by-hand module -> shapes of its other products
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -316,10 +350,14 @@ class SdpaWatch(TorchFunctionMode):
             found = self._owner(sys._getframe(1))
             if found is not None:
                 self._hand_on(*found, args, kwargs)
-        elif func in _SOFTMAX and self.by_hand:
-            found = self._owner(sys._getframe(1))
-            if found is not None and found[0] in self.by_hand:
-                self._read_softmax(*found, args, kwargs, output)
+        elif self.by_hand.names and (func in _SOFTMAX or func in _PRODUCT_OPERANDS):
+            frame = sys._getframe(1)
+            found = self._owner(frame)
+            if found is not None and found[0] in self.by_hand.names:
+                if func in _SOFTMAX:
+                    self._read_softmax(*found, frame, args, kwargs, output)
+                else:
+                    self._note_scores(found[0], _PRODUCT_OPERANDS[func](args), output)
         elif getattr(func, "__name__", None) == "flex_attention":
             found = self._owner(sys._getframe(1))
             if found is not None:
@@ -335,27 +373,66 @@ class SdpaWatch(TorchFunctionMode):
         self.calls[name] = index + 1
         return index
 
-    def _read_softmax(self, name: str, module: nn.Module, args: tuple, kwargs: dict, weights: Any) -> None:
-        """A softmax of a module computing attention by hand, read where it is one over the keys of ``(B, H, Lq, Lk)``
-        scores, or of ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)`` where the module says its heads): its output is the weights
-        the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask rule
-        reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). Other softmaxes are not attention."""
+    def _note_scores(self, name: str, operands: Iterable[Any], output: Any) -> None:
+        """A product of two batched tensors (``q @ kᵀ``) makes attention scores; one with a weight matrix (``x @ W``),
+        a router's or an output head's logits: their shapes are noted apart."""
+        if isinstance(output, Tensor):
+            batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in operands)
+            (self.scores if batched else self.logits).setdefault(name, set()).add(tuple(output.shape))
+
+    def _read_softmax(
+        self, name: str, module: nn.Module, frame: types.FrameType, args: tuple, kwargs: dict, weights: Any
+    ) -> None:
+        """A softmax of a module computing attention by hand, read where it is one over the last dimension of scores
+        that a product of two batched tensors made, ``(B, H, Lq, Lk)``, or ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)``,
+        batch-major): its output is the weights the module applies, and its input the scores, whose masked keys
+        (``-inf``, ``-1e9`` …) the float-mask rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`).
+        Other softmaxes are not attention (a router's, a pooling's). One whose shape does not fit the site's tokens,
+        or one over as many entries as the keys that no product made (additive attention), is noted, not read."""
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         scores = args[0] if args else kwargs.get("input")
         if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() not in (3, 4):
             return
-        if dim % weights.dim() != weights.dim() - 1 or not isinstance(scores, Tensor) or scores.shape != weights.shape:
+        if dim % weights.dim() != weights.dim() - 1:
+            return
+        index = self.calls.get(name, 0)
+        site = name if index == 0 else f"{name}.call{index}"
+        expected = self.by_hand.expect(site) if self.by_hand.expect is not None else None
+        shape = tuple(weights.shape)
+        if shape not in self.scores.get(name, ()):
+            if expected is not None and weights.size(-1) == expected[2] and shape not in self.logits.get(name, ()):
+                self.by_hand.unread.setdefault(site, (tuple(weights.shape), expected))
+            return
+        heads = self._heads(expected, frame, weights)
+        if heads is None:
+            self.by_hand.unread.setdefault(site, (tuple(weights.shape), expected))
             return
         with torch.no_grad():
             allowed = float_mask_allows(scores.detach())
             weights = weights.detach()
             if weights.dim() == 3:
-                heads = declared_heads(module) or 1
-                heads = heads if weights.size(0) % heads == 0 else 1
                 weights = weights.reshape(-1, heads, *weights.shape[1:])  # (B · H, Lq, Lk) -> (B, H, Lq, Lk)
                 allowed = allowed.reshape(weights.shape)
             batch = weights.size(0)
             self.consumer(name, self._index(name), module, weights, slice(0, batch), batch, allowed.any(dim=1))
+
+    @staticmethod
+    def _heads(expected: tuple[int, int, int] | None, frame: types.FrameType, weights: Tensor) -> int | None:
+        """The heads of by-hand weights ``(B, H, Lq, Lk)`` or ``(B · H, Lq, Lk)``, from the site's tokens
+        ``expected`` ``(B, Lq, Lk)`` where known (else from a ``num_heads`` … of the module or of a module calling
+        it, else 1); None where the weights do not fit those tokens."""
+        if expected is None:
+            if weights.dim() == 4:
+                return weights.size(1)
+            declared = (declared_heads(o) for o in _method_owners(frame) if isinstance(o, nn.Module))
+            heads = next((h for h in declared if h is not None), 1)
+            return heads if weights.size(0) % heads == 0 else 1
+        batch, len_q, len_k = expected
+        if tuple(weights.shape[-2:]) != (len_q, len_k):
+            return None
+        if weights.dim() == 4:
+            return weights.size(1) if weights.size(0) == batch else None
+        return weights.size(0) // batch if batch and weights.size(0) % batch == 0 else None
 
     def _hand_on(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         call = _SIGNATURE.bind(*args, **kwargs).arguments

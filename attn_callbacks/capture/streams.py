@@ -251,6 +251,17 @@ class Streams:
             self._ids[stream] = (compact, valid, ids)
         return self._ids[stream]
 
+    def expected(
+        self, name: str, base: str, attention_streams: Mapping[str, Any] | None
+    ) -> tuple[int, int, int] | None:
+        """``(B, Lq, Lk)`` of the current batch's token ids of the streams of site ``name`` (an SDPA call not yet wired:
+        as :meth:`wire_call` would wire it), or None outside a batch."""
+        if self.batch is None:
+            return None
+        streams = self.of.get(name) or first_rule(name, attention_streams or {}) or self.of[base]
+        (batch, len_q), (_, len_k) = (self.read(stream, torch.device("cpu"))[0].shape for stream in streams)
+        return batch, len_q, len_k
+
     def read_pair(
         self, name: str, streams: tuple[str, str], weights: Tensor, rows: slice | None = None, batch: int | None = None
     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
@@ -280,8 +291,9 @@ class Streams:
                 f"{tuple(weights.shape)}, which does not match the token ids of its query stream {query_stream!r} "
                 f"{tuple(query_ids.shape)} and key stream {key_stream!r} {tuple(key_ids.shape)} (expected (B, Lq) and "
                 "(B, Lk); see arguments `attention_streams` and `batch_first`). A module that attends over other "
-                "tokens than the batch's, as generate() does with its cache, cannot be monitored in "
-                "`validation_step`: generate in `on_validation_epoch_end` instead"
+                "tokens than the batch's, as generate() does with its cache, or one query position per call, as a "
+                "decoder loop does, cannot be monitored in `validation_step`: generate in `on_validation_epoch_end`, "
+                "or leave the module out with `modules`"
             )
         return (query_ids, query_valid), (key_ids, key_valid)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from lightning.pytorch import Trainer
@@ -28,9 +28,27 @@ class Warnings:
             self._said.add(key)
             rank_zero_warn(message)
 
+    def unread(self, unread: Mapping[str, tuple[tuple[int, ...], tuple[int, int, int] | None]]) -> None:
+        """Softmaxes over the keys that modules computing attention by hand took and the monitor could not read
+        (:class:`~attn_callbacks.capture.sdpa.ByHand`), with their shapes and the tokens' (once per set)."""
+        if not unread:
+            return
+        said = "; ".join(
+            f"{site!r}: {shape} for tokens (B, Lq, Lk) = {expected}" for site, (shape, expected) in unread.items()
+        )
+        self.once(
+            f"unread:{','.join(unread)}",
+            f"AttentionMonitor: module(s) found by the softmax and matrix product in their code took softmaxes over "
+            f"their keys that were not read ({said}). Attention over one query position per call (a decoder run step "
+            "by step), over learned queries or over other tokens than the batch's cannot be matched to its tokens, "
+            "(B · H, Lq, Lk) scores must be batch-major, and additive (Bahdanau) scores, which no product of two "
+            "batched tensors makes, are not read. If a module is not attention, or to silence this, leave it out "
+            "with `modules`; for other streams see `attention_streams`.",
+        )
+
     def silent(self, silent: list[str], batches: int, ran: Collection[str] = ()) -> None:
         """Hooked modules ``silent`` never ran in the epoch's ``batches`` monitored batches (once per set of names);
-        or, those in ``ran``, ran without calling ``scaled_dot_product_attention`` or a softmax the monitor reads."""
+        or, those in ``ran``, ran without calling ``scaled_dot_product_attention``."""
         if not batches:
             return
         quiet = [name for name in silent if name in ran]
@@ -39,8 +57,7 @@ class Warnings:
             self.once(
                 f"no_sdpa:{','.join(quiet)}",
                 f"AttentionMonitor: attention module(s) {', '.join(map(repr, quiet))} ran in {batches} monitored "
-                "batch(es) but never called scaled_dot_product_attention, nor took a softmax over the last "
-                "dimension of (B, H, Lq, Lk) or (B, Lq, Lk) scores, where setup found such calls in their code: "
+                "batch(es) but never called scaled_dot_product_attention, where setup found a call in their code: "
                 "they compute attention another way on this path, which the monitor cannot read (a Hugging Face "
                 "model that declares no attention outputs, run with attn_implementation='eager', say: load it with "
                 "'sdpa'). Nothing was seen of them; leave them out with `modules=`.",
