@@ -19,6 +19,8 @@ CONFIG = EXAMPLES / "attention_monitor.yaml"
 def _load_example():
     spec = importlib.util.spec_from_file_location("attention_monitor_cli_example", EXAMPLES / "cli.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered as a module is: jsonargparse < 4.51 resolves its postponed annotations through sys.modules.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)  # puts examples/ on sys.path for toy_translation
     return module
 
