@@ -138,12 +138,14 @@ class AttentionMonitor(MonitorOptions, Callback):
         if not self._active:
             return
         drift_epoch = not (trainer.sanity_checking or trainer.testing)
-        # Before the probe's own batch. A module found by a softmax and a product in its code that ran and read
-        # nothing is not attention, or took softmaxes over the keys it could not read (named apart).
-        ran = self._capture.ran()
-        quiet = {name for name in self._capture.hand_only if name in ran}
-        silent = [name for name, count in self._capture.calls.items() if count == 0 and name not in quiet]
-        self._report.warnings.silent(silent, self._monitored_batches, ran)
+        # Before the probe's own batch. A module found by a softmax and a product in its code that read nothing is
+        # not attention (an output head, a router; one run in training only), or took softmaxes over the keys it
+        # could not read (named apart); unless nothing at all was read.
+        unread, hand = self._capture.by_hand.unread, self._capture.hand_only
+        silent = [name for name, count in self._capture.calls.items() if count == 0 and name not in unread]
+        if len(silent) < len(self._capture.calls):
+            silent = [name for name in silent if name not in hand]
+        self._report.warnings.silent(silent, self._monitored_batches, self._capture.ran(), hand)
         self._report.warnings.unread(self._capture.by_hand.unread)
         try:
             if self._probe.own_batch and drift_epoch:
@@ -298,9 +300,9 @@ class AttentionMonitor(MonitorOptions, Callback):
         self._streams.end_batch()
         self._probe.capturing = self._probe.only = False
 
-    def _expected(self, site: str) -> tuple[int, int, int] | None:
+    def _expected(self, site: str, device: torch.device) -> tuple[int, int, int] | None:
         """``(B, Lq, Lk)`` of a site's token streams in the current batch (a softmax computed by hand must fit)."""
-        return self._streams.expected(site, self._sites.base(site), self.attention_streams)
+        return self._streams.expected(site, self._sites.base(site), self.attention_streams, device)
 
     def _consume(
         self, name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int, allowed: Tensor | None = None

@@ -926,6 +926,25 @@ class TiedHead(nn.Module):
         return torch.softmax(x @ self.emb.weight.T, dim=-1)
 
 
+class Experts(nn.Module):
+    """A mixture of experts routed by an ``nn.Linear`` gate as wide as the sequence."""
+
+    def __init__(self, dim=16, experts=9):
+        super().__init__()
+        self.gate, self.experts = nn.Linear(dim, experts), nn.Parameter(torch.randn(experts, dim))
+
+    def forward(self, x):
+        return self.gate(x).softmax(dim=-1) @ self.experts
+
+
+class AttendThenRoute(Router):
+    """Attention, then a router over its output whose softmax has the attention's shape."""
+
+    def forward(self, x):
+        x = F.softmax(x @ x.transpose(1, 2), dim=-1) @ x
+        return F.softmax(x @ self.w_gate, dim=-1)
+
+
 class WithHeads(LightningModule):
     """Attention by hand beside modules that take a softmax and a product but make no attention scores."""
 
@@ -935,17 +954,20 @@ class WithHeads(LightningModule):
         self.model = TinyGPT(heads=2, layers=1)
         self.model.blocks[0].attn = Tutorial("mingpt")
         self.router, self.pool, self.tied = Router(), Pooling(), TiedHead(nn.Embedding(9, 16))
+        self.moe, self.route, self.unused = Experts(), AttendThenRoute(), TiedHead(nn.Embedding(9, 16))
 
     def validation_step(self, batch, batch_idx):
         x = self.model.emb(batch["ids"])
         self.model(batch["ids"])
-        self.router(x), self.pool(x), self.tied(x)
+        self.router(x), self.pool(x), self.tied(x), self.moe(x)
+        self.outputs = self.route(x), x
 
 
 def test_modules_taking_a_softmax_and_a_product_but_no_attention_scores_are_neither_read_nor_warned_about(tmp_path):
-    """A router whose experts are as many as the tokens (its softmax has the shape of attention), a pooling and a
-    tied output head: found by their code, never read (no product of two batched tensors makes their softmax's
-    input), never named in a warning; the attention beside them is read."""
+    """Routers whose experts are as many as the tokens (``x @ W`` or an ``nn.Linear`` gate: their softmax has the
+    shape of attention; one after attention in the same module), a pooling, a tied output head and one never called
+    in validation: found by their code, never read (no product of two batched tensors made their softmax's input),
+    never named in a warning; the attention beside them is read."""
     batches = gpt_batches()
     monitor = AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")
     with warnings.catch_warnings(record=True) as caught:
@@ -954,11 +976,10 @@ def test_modules_taking_a_softmax_and_a_product_but_no_attention_scores_are_neit
             default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
             callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
         ).validate(WithHeads(), DataLoader(batches, batch_size=None), verbose=False)  # fmt: skip
-    assert set(find_attention_modules(WithHeads())) == {"model.blocks.0.attn", "router", "pool", "tied"}
-    assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn"]
-    named = [str(w.message) for w in caught if "AttentionMonitor" in str(w.message) and "'router'" in str(w.message)]
-    named += [str(w.message) for w in caught if "'pool'" in str(w.message) or "'tied'" in str(w.message)]
-    assert named == []
+    found = {"model.blocks.0.attn", "router", "pool", "tied", "moe", "route", "unused"}
+    assert set(find_attention_modules(WithHeads())) == found
+    assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn", "route"]
+    assert [str(w.message) for w in caught if any(f"'{name}" in str(w.message) for name in found)] == []
 
 
 class StepDecoder(nn.Module):
@@ -1003,6 +1024,32 @@ def test_softmax_over_scores_that_do_not_fit_the_tokens_is_not_read_and_named_wi
     assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn"]
 
 
+class Additive(nn.Module):
+    """Additive (Bahdanau) attention over the whole sequence: its scores come from a Linear, not from q @ kᵀ."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.w, self.v = nn.Linear(dim, dim), nn.Linear(dim, 1)
+
+    def forward(self, x):
+        scores = self.v(torch.tanh(self.w(x)[:, :, None] + x[:, None])).squeeze(-1)  # (B, T, T)
+        return torch.bmm(F.softmax(scores, dim=-1), x)
+
+
+def test_additive_attention_is_not_read_and_named_with_its_shape(tmp_path):
+    lit = Stepping()
+    lit.step = Additive()
+    with pytest.warns(UserWarning) as caught:
+        Trainer(
+            default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+            callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids")], enable_progress_bar=False,
+            enable_model_summary=False,
+        ).validate(lit, DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
+    said = [str(w.message) for w in caught if "that were not read" in str(w.message)]
+    assert len(said) == 1 and "'step': (3, 9, 9) for tokens (B, Lq, Lk) = (3, 9, 9)" in said[0], said
+    assert "additive (Bahdanau) scores" in said[0]
+
+
 def test_capture_attention_splits_batch_major_scores_by_the_heads_the_module_or_its_caller_declares():
     """Outside Lightning the batch's size is not known: (B · H, T, T) scores are split by a ``num_heads`` of the
     module taking the softmax or of the module calling it (d2l keeps it on the multi-head module)."""
@@ -1028,3 +1075,22 @@ def test_capture_attention_splits_batch_major_scores_by_the_heads_the_module_or_
         model(x)
     per_head = x.reshape(3, 5, 2, 4).transpose(1, 2)
     torch.testing.assert_close(weights["0.attention"][0], torch.softmax(per_head @ per_head.transpose(-2, -1), dim=-1))
+
+
+class OnlyRouter(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.router = nn.Embedding(12, 16), Router(experts=4)
+
+    def validation_step(self, batch, batch_idx):
+        self.router(self.emb(batch["ids"]))
+
+
+def test_a_model_whose_only_softmax_and_product_module_reads_nothing_is_told_so(tmp_path):
+    """Found by its code, the router is all the model has: with nothing read at all, it is named."""
+    with pytest.warns(UserWarning, match=r"'router', found by the softmax and matrix product .* took no softmax"):
+        Trainer(
+            default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=False,
+            callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids")], enable_progress_bar=False,
+            enable_model_summary=False,
+        ).validate(OnlyRouter(), DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip

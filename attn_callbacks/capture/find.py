@@ -88,13 +88,13 @@ def find_attention_modules(model: nn.Module, patterns: Sequence[str] | None = No
     hf_modules = output_indices(model)
     found = _candidates(named, hf_modules)
     if not found:
-        itself = (
-            f"; {type(model).__name__} itself calls scaled_dot_product_attention (or a softmax and a matrix product), "
-            "but attention is read from the modules inside the model: move it into an nn.Module of its own, stored "
-            "on the model"
-            if calls_sdpa(model) or computes_attention(model)
-            else ""
-        )
+        move = "attention is read from the modules inside the model: move it into an nn.Module of its own, stored on it"
+        if calls_sdpa(model):
+            itself = f"; {type(model).__name__} itself calls scaled_dot_product_attention, but {move}"
+        elif computes_attention(model):
+            itself = f"; if {type(model).__name__} computes attention itself (a softmax and a matrix product), {move}"
+        else:
+            itself = ""
         raise ValueError(
             "No torch.nn.MultiheadAttention, Hugging Face attention module, module calling "
             "scaled_dot_product_attention or module computing attention by hand (a softmax and a matrix product) "

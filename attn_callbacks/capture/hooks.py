@@ -71,8 +71,9 @@ class AttentionCapture:
             capture attached at the time detaches).
         output_index: for Hugging Face attention modules, the index of the weights in their output tuple
             (:func:`attn_callbacks.capture.hf.attention_outputs`); modules not named here are hooked or watched.
-        expect: site name -> ``(B, Lq, Lk)`` of its token streams in the current batch: a softmax computed by hand is
-            read only where it fits them (see :class:`~attn_callbacks.capture.sdpa.ByHand`); None reads every one.
+        expect: ``(site name, device)`` -> ``(B, Lq, Lk)`` of its token streams in the current batch: a softmax
+            computed by hand is read only where it fits them (:class:`~attn_callbacks.capture.sdpa.ByHand`); None:
+            not known (``(B · H, Lq, Lk)`` scores are then split by the ``num_heads`` their module or its caller has).
     """
 
     def __init__(
@@ -81,7 +82,7 @@ class AttentionCapture:
         consumer: WeightsConsumer,
         disable_fastpath: bool = True,
         output_index: Mapping[str, int] | None = None,
-        expect: Callable[[str], tuple[int, int, int] | None] | None = None,
+        expect: Callable[[str, torch.device], tuple[int, int, int] | None] | None = None,
     ) -> None:
         self.modules = dict(modules)
         self.consumer = consumer
@@ -95,8 +96,8 @@ class AttentionCapture:
         # Watched modules computing attention by hand: their softmaxes are read too.
         names = frozenset(name for name, module in self.watched.items() if computes_attention(module))
         self.by_hand = ByHand(names, expect)
-        # Those with no SDPA call: one that ran and read nothing is not attention (a router, a pooling, an output
-        # head), unless it took a softmax over the keys it could not read (by_hand.unread, warned about).
+        # Those with no SDPA call: one that read nothing is not attention (a router, a pooling, an output head),
+        # unless it took a softmax over the keys it could not read (by_hand.unread, warned about).
         self.hand_only = frozenset(name for name in names if not calls_sdpa(self.watched[name]))
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds

@@ -36,6 +36,7 @@ import math
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -184,8 +185,9 @@ def calls_sdpa(module: nn.Module) -> bool:
 def computes_attention(module: nn.Module) -> bool:
     """Whether ``module`` computes attention by hand: the code of its class (as :func:`calls_sdpa` reads it) takes a
     softmax (``torch.softmax``, ``F.softmax``, ``Tensor.softmax`` or an ``nn.Softmax`` child) and a matrix product
-    (``@``, ``matmul``, ``bmm``, ``einsum``): minGPT, the Annotated Transformer, lucidrains-style modules. Modules of
-    ``torch`` and ``transformers`` are read their own ways and never count; static detection, no call made."""
+    (``@``, ``matmul``, ``bmm``, ``baddbmm``, ``einsum``): minGPT, the Annotated Transformer, lucidrains-style
+    modules. Modules of ``torch`` and ``transformers`` are read their own ways and never count; static detection, no
+    call made."""
     if type(module).__module__.split(".")[0] in ("torch", "transformers"):
         return False
     names = _class_names(type(module), 2) | frozenset().union(*(_code_names(v, 2) for v in vars(module).values()))
@@ -294,15 +296,15 @@ class ByHand:
 
     Attributes:
         names: those modules.
-        expect: site name -> ``(B, Lq, Lk)``, the batch size and the query and key lengths of the site's token
-            streams in the current batch (None: not known, every attention-shaped softmax is read).
-        unread: site -> the shape of a softmax over the keys that was not read, and the expected ``(B, Lq, Lk)``:
-            over scores that do not fit ``expect``, or over as many entries as the keys that no product of two
-            batched tensors made (additive attention).
+        expect: ``(site name, device)`` -> ``(B, Lq, Lk)``, the batch size and the query and key lengths of the
+            site's token streams in the current batch (None: not known; outside Lightning).
+        unread: module -> the shape of a softmax over its keys that was not read, and the expected ``(B, Lq, Lk)``:
+            over scores that do not fit ``expect``, or over as many entries as the keys that came neither from scores
+            nor from logits (additive attention).
     """
 
     names: frozenset[str]
-    expect: Callable[[str], tuple[int, int, int] | None] | None = None
+    expect: Callable[[str, torch.device], tuple[int, int, int] | None] | None = None
     unread: dict[str, tuple[tuple[int, ...], tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
 
 
@@ -337,8 +339,10 @@ class SdpaWatch(TorchFunctionMode):
         self.chunk_bytes = chunk_bytes
         self.warned = set() if warned is None else warned
         self.calls: dict[str, int] = {}  # calls per watched module since this watch was made
-        self.scores: dict[str, set[tuple[int, ...]]] = {}  # by-hand module -> shapes of its batched products
-        self.logits: dict[str, set[tuple[int, ...]]] = {}  # by-hand module -> shapes of its other products
+        # Tensors of by-hand modules (by id, with a weak reference to tell a reused id): the scores, made by a product
+        # of two batched tensors or from scores by any other op; and the logits of a weight matrix (x @ W, a Linear).
+        self.scores: dict[int, weakref.ref] = {}
+        self.logits: dict[int, weakref.ref] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -350,14 +354,14 @@ class SdpaWatch(TorchFunctionMode):
             found = self._owner(sys._getframe(1))
             if found is not None:
                 self._hand_on(*found, args, kwargs)
-        elif self.by_hand.names and (func in _SOFTMAX or func in _PRODUCT_OPERANDS):
+        elif self.by_hand.names:
             frame = sys._getframe(1)
             found = self._owner(frame)
             if found is not None and found[0] in self.by_hand.names:
                 if func in _SOFTMAX:
                     self._read_softmax(*found, frame, args, kwargs, output)
                 else:
-                    self._note_scores(found[0], _PRODUCT_OPERANDS[func](args), output)
+                    self._trace(func, args, kwargs, output)
         elif getattr(func, "__name__", None) == "flex_attention":
             found = self._owner(sys._getframe(1))
             if found is not None:
@@ -373,39 +377,45 @@ class SdpaWatch(TorchFunctionMode):
         self.calls[name] = index + 1
         return index
 
-    def _note_scores(self, name: str, operands: Iterable[Any], output: Any) -> None:
-        """A product of two batched tensors (``q @ kᵀ``) makes attention scores; one with a weight matrix (``x @ W``),
-        a router's or an output head's logits: their shapes are noted apart."""
-        if isinstance(output, Tensor):
-            batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in operands)
-            (self.scores if batched else self.logits).setdefault(name, set()).add(tuple(output.shape))
+    def _trace(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        """Follow attention scores through a by-hand module: a product of two batched tensors (``q @ kᵀ``: both at
+        least 3-D) makes them, and any other op (scaling, masking, a bias, a cast, a reshape) keeps them; a product
+        with a weight matrix (``x @ W``) or a ``Linear`` makes logits (a router's, an output head's) instead."""
+        if not isinstance(output, Tensor):
+            return
+        if func in _PRODUCT_OPERANDS:
+            batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in _PRODUCT_OPERANDS[func](args))
+            _keep(self.scores if batched else self.logits, output)
+        elif func is F.linear:
+            _keep(self.logits, output)
+        elif any(_kept(self.scores, t) for t in _tensors(args, kwargs)):
+            _keep(self.scores, output)
 
     def _read_softmax(
         self, name: str, module: nn.Module, frame: types.FrameType, args: tuple, kwargs: dict, weights: Any
     ) -> None:
         """A softmax of a module computing attention by hand, read where it is one over the last dimension of scores
-        that a product of two batched tensors made, ``(B, H, Lq, Lk)``, or ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)``,
-        batch-major): its output is the weights the module applies, and its input the scores, whose masked keys
-        (``-inf``, ``-1e9`` …) the float-mask rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`).
-        Other softmaxes are not attention (a router's, a pooling's). One whose shape does not fit the site's tokens,
-        or one over as many entries as the keys that no product made (additive attention), is noted, not read."""
+        (:meth:`_trace`), ``(B, H, Lq, Lk)``, or ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)``, batch-major): its output is the
+        weights the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask
+        rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). Other softmaxes are not attention (a
+        router's, a pooling's). One over scores that do not fit the site's tokens, or one over as many entries as the
+        keys that came neither from scores nor from logits (additive attention), is noted, not read."""
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         scores = args[0] if args else kwargs.get("input")
         if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() not in (3, 4):
             return
         if dim % weights.dim() != weights.dim() - 1:
             return
+        if _kept(self.logits, scores):
+            return
         index = self.calls.get(name, 0)
         site = name if index == 0 else f"{name}.call{index}"
-        expected = self.by_hand.expect(site) if self.by_hand.expect is not None else None
-        shape = tuple(weights.shape)
-        if shape not in self.scores.get(name, ()):
-            if expected is not None and weights.size(-1) == expected[2] and shape not in self.logits.get(name, ()):
-                self.by_hand.unread.setdefault(site, (tuple(weights.shape), expected))
-            return
-        heads = self._heads(expected, frame, weights)
+        expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
+        made = _kept(self.scores, scores)
+        heads = self._heads(expected, frame, weights) if made else None
         if heads is None:
-            self.by_hand.unread.setdefault(site, (tuple(weights.shape), expected))
+            if expected is not None and (made or weights.size(-1) == expected[2]):
+                self.by_hand.unread.setdefault(name, (tuple(weights.shape), expected))
             return
         with torch.no_grad():
             allowed = float_mask_allows(scores.detach())
@@ -507,6 +517,25 @@ class SdpaCensus(TorchFunctionMode):
         if innermost is not None:
             self.unseen.setdefault(self.names[id(innermost)], type(innermost).__name__)
         return output
+
+
+def _keep(kept: dict[int, weakref.ref], tensor: Tensor) -> None:
+    kept[id(tensor)] = weakref.ref(tensor)
+
+
+def _kept(kept: Mapping[int, weakref.ref], tensor: Any) -> bool:
+    """Whether ``tensor`` itself is in ``kept`` (an id of a tensor since freed may be another's now)."""
+    ref = kept.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
+def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[Any]:
+    """The arguments of a call, those in a list or tuple argument included (``torch.cat``, ``torch.where``)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
 
 
 def _method_owners(frame: types.FrameType | None) -> Iterator[Any]:

@@ -252,14 +252,14 @@ class Streams:
         return self._ids[stream]
 
     def expected(
-        self, name: str, base: str, attention_streams: Mapping[str, Any] | None
+        self, name: str, base: str, attention_streams: Mapping[str, Any] | None, device: torch.device
     ) -> tuple[int, int, int] | None:
-        """``(B, Lq, Lk)`` of the current batch's token ids of the streams of site ``name`` (an SDPA call not yet wired:
-        as :meth:`wire_call` would wire it), or None outside a batch."""
+        """``(B, Lq, Lk)`` of the current batch's token ids of the streams of site ``name`` (a call not yet wired: as
+        :meth:`wire_call` would wire it; ids not read yet are read onto ``device``), or None outside a batch."""
         if self.batch is None:
             return None
         streams = self.of.get(name) or first_rule(name, attention_streams or {}) or self.of[base]
-        (batch, len_q), (_, len_k) = (self.read(stream, torch.device("cpu"))[0].shape for stream in streams)
+        (batch, len_q), (_, len_k) = (self.read(stream, device)[0].shape for stream in streams)
         return batch, len_q, len_k
 
     def read_pair(

@@ -28,13 +28,13 @@ class Warnings:
             self._said.add(key)
             rank_zero_warn(message)
 
-    def unread(self, unread: Mapping[str, tuple[tuple[int, ...], tuple[int, int, int] | None]]) -> None:
+    def unread(self, unread: Mapping[str, tuple[tuple[int, ...], tuple[int, int, int]]]) -> None:
         """Softmaxes over the keys that modules computing attention by hand took and the monitor could not read
         (:class:`~attn_callbacks.capture.sdpa.ByHand`), with their shapes and the tokens' (once per set)."""
         if not unread:
             return
         said = "; ".join(
-            f"{site!r}: {shape} for tokens (B, Lq, Lk) = {expected}" for site, (shape, expected) in unread.items()
+            f"{name!r}: {shape} for tokens (B, Lq, Lk) = {expected}" for name, (shape, expected) in unread.items()
         )
         self.once(
             f"unread:{','.join(unread)}",
@@ -46,13 +46,24 @@ class Warnings:
             "with `modules`; for other streams see `attention_streams`.",
         )
 
-    def silent(self, silent: list[str], batches: int, ran: Collection[str] = ()) -> None:
+    def silent(self, silent: list[str], batches: int, ran: Collection[str] = (), by_hand: Collection[str] = ()) -> None:
         """Hooked modules ``silent`` never ran in the epoch's ``batches`` monitored batches (once per set of names);
-        or, those in ``ran``, ran without calling ``scaled_dot_product_attention``."""
+        or, those in ``ran``, ran without calling ``scaled_dot_product_attention``, or (those in ``by_hand``, found by
+        a softmax and a product in their code) without a softmax the monitor reads."""
         if not batches:
             return
-        quiet = [name for name in silent if name in ran]
+        hand = [name for name in silent if name in ran and name in by_hand]
+        quiet = [name for name in silent if name in ran and name not in by_hand]
         silent = [name for name in silent if name not in ran]
+        if hand:
+            self.once(
+                f"no_softmax:{','.join(hand)}",
+                f"AttentionMonitor: module(s) {', '.join(map(repr, hand))}, found by the softmax and matrix product in "
+                f"their code, ran in {batches} monitored batch(es) but took no softmax the monitor reads, and nothing "
+                "else was read: it reads a softmax over the last dimension of scores that a product of two batched "
+                "tensors made (q @ kᵀ, bmm, einsum), (B, H, Lq, Lk) or (B [· H], Lq, Lk). Nothing was seen of them; "
+                "if they are not attention, leave them out with `modules=`.",
+            )
         if quiet:
             self.once(
                 f"no_sdpa:{','.join(quiet)}",
