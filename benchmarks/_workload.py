@@ -56,11 +56,14 @@ def nudge(model: nn.Module, seed: int, scale: float = 1e-3) -> None:
 
 
 class SdpaBlock(nn.Module):
-    """A post-norm encoder block like ``nn.TransformerEncoderLayer``'s, its attention a direct SDPA call."""
+    """A post-norm encoder block like ``nn.TransformerEncoderLayer``'s, its attention a direct SDPA call, or with
+    ``by_hand`` the same attention written out (``softmax(q kᵀ / √d) v``, as minGPT does)."""
 
-    def __init__(self, d_model: int = D_MODEL, heads: int = HEADS, feedforward: int = FEEDFORWARD):
+    def __init__(
+        self, d_model: int = D_MODEL, heads: int = HEADS, feedforward: int = FEEDFORWARD, by_hand: bool = False
+    ):
         super().__init__()
-        self.heads = heads
+        self.heads, self.by_hand = heads, by_hand
         self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.ff = nn.Sequential(nn.Linear(d_model, feedforward), nn.ReLU(), nn.Linear(feedforward, d_model))
@@ -68,13 +71,17 @@ class SdpaBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        y = nn.functional.scaled_dot_product_attention(q, k, v)  # (B, H, L, D / H)
+        if self.by_hand:
+            y = torch.softmax(q @ k.transpose(-2, -1) / q.size(-1) ** 0.5, dim=-1) @ v  # (B, H, L, D / H)
+        else:
+            y = nn.functional.scaled_dot_product_attention(q, k, v)
         x = self.norm1(x + self.out(y.transpose(1, 2).reshape(batch, length, dim)))
         return self.norm2(x + self.ff(x))
 
 
 class SdpaEncoder(LightningModule):
-    """Embedding and `layers` :class:`SdpaBlock` (the stress workload's shapes by default), attention through SDPA."""
+    """Embedding and `layers` :class:`SdpaBlock` (the stress workload's shapes by default), attention through SDPA or,
+    with ``by_hand``, written out."""
 
     def __init__(
         self,
@@ -83,10 +90,11 @@ class SdpaEncoder(LightningModule):
         heads: int = HEADS,
         layers: int = LAYERS,
         feedforward: int = FEEDFORWARD,
+        by_hand: bool = False,
     ):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
-        self.blocks = nn.Sequential(*(SdpaBlock(d_model, heads, feedforward) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(SdpaBlock(d_model, heads, feedforward, by_hand) for _ in range(layers)))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.blocks(self.embed(batch["input_ids"]))

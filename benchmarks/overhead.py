@@ -5,7 +5,8 @@
 
 Workloads (benchmarks/_workload.py): 4 × nn.TransformerEncoderLayer(256, 8 heads, feed-forward 1024), batch 32 ×
 length 128, Zipf(1) ids over 8,000 tracked to 2,048 + <other>; "stress" is the encoder alone, "heavy" adds a
-language-model head and its loss, "sdpa" is the stress shapes in blocks calling ``F.scaled_dot_product_attention``.
+language-model head and its loss, "sdpa" is the stress shapes in blocks calling ``F.scaled_dot_product_attention``,
+"hand" the same blocks with their attention written out (``softmax(q kᵀ / √d) v``, read from its softmax).
 ``--preset bert-base`` gives the models BERT-base shapes instead (12 layers of d_model 768, 12 heads, feed-forward
 3072, a 30,522-id vocabulary tracked to 1,024: what fits the default memory budget), for a GPU; ``--preset tiny``
 gives them toy shapes (1 layer of d_model 32, 2 heads, batch 4 × length 16, 64 ids tracked to 32), for a smoke run
@@ -193,7 +194,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (interleaved)")
-    parser.add_argument("--models", default="stress,heavy,sdpa", help="comma-separated: stress, heavy, sdpa")
+    parser.add_argument(
+        "--models", default="stress,heavy,sdpa", help="comma-separated: stress, heavy, sdpa, hand (written out)"
+    )
     parser.add_argument("--preset", default="stress", choices=sorted(PRESETS), help="the models' shapes")
     parser.add_argument(
         "--configs",
@@ -220,7 +223,10 @@ def main() -> None:
     for model_name in args.models.split(","):
         torch.manual_seed(0)
         shapes = {"vocab": vocab, "d_model": d_model, "heads": heads, "layers": layers, "feedforward": feedforward}
-        model = SdpaEncoder(**shapes) if model_name == "sdpa" else Encoder(**shapes, head=model_name == "heavy")
+        if model_name in ("sdpa", "hand"):
+            model = SdpaEncoder(**shapes, by_hand=model_name == "hand")
+        else:
+            model = Encoder(**shapes, head=model_name == "heavy")
         for config, rows in run(model.eval(), batches, args.rounds, vocab, tracked, chosen).items():
             for figure, values in rows.items():
                 print(f"{model_name:8} {config:26} {figure:16} {summary(values):>24}")

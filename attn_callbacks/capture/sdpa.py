@@ -418,13 +418,12 @@ class SdpaWatch(TorchFunctionMode):
                 self.by_hand.unread.setdefault(name, (tuple(weights.shape), expected))
             return
         with torch.no_grad():
-            allowed = float_mask_allows(scores.detach())
-            weights = weights.detach()
-            if weights.dim() == 3:
-                weights = weights.reshape(-1, heads, *weights.shape[1:])  # (B · H, Lq, Lk) -> (B, H, Lq, Lk)
-                allowed = allowed.reshape(weights.shape)
+            weights = weights.detach().reshape(-1, heads, *weights.shape[-2:])  # (B, H, Lq, Lk), also from (B · H, ...)
+            # Over the heads' largest scores: one pass over the scores, not three (the masked keys are the same
+            # unless two heads' rows lie more than BIAS_SPAN apart).
+            allowed = float_mask_allows(scores.detach().reshape(weights.shape).amax(dim=1))  # (B, Lq, Lk)
             batch = weights.size(0)
-            self.consumer(name, self._index(name), module, weights, slice(0, batch), batch, allowed.any(dim=1))
+            self.consumer(name, self._index(name), module, weights, slice(0, batch), batch, allowed)
 
     @staticmethod
     def _heads(expected: tuple[int, int, int] | None, frame: types.FrameType, weights: Tensor) -> int | None:
