@@ -519,7 +519,9 @@ class SdpaCensus(TorchFunctionMode):
 
 
 def _keep(kept: dict[int, weakref.ref], tensor: Tensor) -> None:
-    kept[id(tensor)] = weakref.ref(tensor)
+    """Keep ``tensor`` in ``kept`` by its id until it is freed (a long ``capture_attention`` block frees many)."""
+    key = id(tensor)
+    kept[key] = weakref.ref(tensor, lambda _, key=key: kept.pop(key, None))
 
 
 def _kept(kept: Mapping[int, weakref.ref], tensor: Any) -> bool:
