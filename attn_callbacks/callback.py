@@ -321,7 +321,8 @@ class AttentionMonitor(MonitorOptions, Callback):
                 # Once per module: a layer shared by 12 (ALBERT) makes 11 such calls.
                 self._report.warnings.once(
                     f"call:{base}",
-                    f"AttentionMonitor: module {base!r} called scaled_dot_product_attention again in the same batch; "
+                    f"AttentionMonitor: module {base!r} computed attention again in the same batch (a second "
+                    "scaled_dot_product_attention call, or a second softmax over its scores); "
                     f"such calls are summed apart ({name!r}, ...), read against the module's own streams "
                     f"{self._streams.of[name]}. If they attend over other tokens (the same encoder run on a second "
                     f"input, say), name their streams in `attention_streams` (a pattern matching {name!r})",

@@ -478,7 +478,7 @@ def test_a_second_sdpa_pass_of_a_module_is_named_apart_and_warned_unless_attenti
     assert sum("again in the same batch" in str(w.message) for w in caught) == 1  # once per module, not per call
     mapped = AttentionMonitor(vocab_size=12, token_ids="ids", attention_streams={"*.call?": ("tokens", "tokens")})
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*called scaled_dot_product_attention again")
+        warnings.filterwarnings("error", message=".*computed attention again")
         run(tmp_path / "b", BiEncoder().eval(), mapped, gpt_batches())
 
 
@@ -1094,3 +1094,38 @@ def test_a_model_whose_only_softmax_and_product_module_reads_nothing_is_told_so(
             callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids")], enable_progress_bar=False,
             enable_model_summary=False,
         ).validate(OnlyRouter(), DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
+
+
+class Variant(nn.Module):
+    """Scores made less plainly: grouped-query heads in a 5-D einsum, a relative-position term (a product with a
+    parameter: logits) that the scores are added into in place, heads mixed by a matrix (talking heads)."""
+
+    def __init__(self, kind, dim=8, heads=4):
+        super().__init__()
+        self.kind, self.h = kind, heads
+        self.qk = nn.Linear(dim, 2 * dim)
+        self.rel, self.mix = nn.Parameter(torch.randn(5, dim // heads)), nn.Parameter(torch.randn(heads, heads))
+
+    def scores(self, x):
+        b_, t, c = x.shape
+        q, k = (z.view(b_, t, self.h, c // self.h).transpose(1, 2) for z in self.qk(x).chunk(2, dim=-1))
+        if self.kind == "grouped":  # 2 key heads, each shared by 2 query heads: (B, Hk, G, T, T)
+            return torch.einsum("bhgqd,bhkd->bhgqk", q.view(b_, 2, 2, t, -1), k[:, ::2])
+        if self.kind == "relative":
+            pos = torch.einsum("bhid,jd->bhij", q, self.rel)
+            pos += q @ k.transpose(-2, -1)
+            return pos
+        return torch.einsum("bhij,hg->bgij", q @ k.transpose(-2, -1), self.mix)  # talking heads
+
+    def forward(self, x):
+        return F.softmax(self.scores(x), dim=-1)
+
+
+@pytest.mark.parametrize("kind", ["grouped", "relative", "talking"])
+def test_scores_are_followed_through_grouped_heads_in_place_terms_and_mixed_heads(kind):
+    model = nn.Sequential(Variant(kind))
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad(), capture_attention(model) as weights:
+        model(x)
+        want = F.softmax(model[0].scores(x), dim=-1).reshape(3, 4, 5, 5)  # (B, H, T, T)
+    torch.testing.assert_close(weights["0"][0], want)

@@ -343,6 +343,7 @@ class SdpaWatch(TorchFunctionMode):
         # of two batched tensors or from scores by any other op; and the logits of a weight matrix (x @ W, a Linear).
         self.scores: dict[int, weakref.ref] = {}
         self.logits: dict[int, weakref.ref] = {}
+        self.weights: dict[int, weakref.ref] = {}  # the outputs of their softmaxes
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -379,17 +380,24 @@ class SdpaWatch(TorchFunctionMode):
 
     def _trace(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
         """Follow attention scores through a by-hand module: a product of two batched tensors (``q @ kᵀ``: both at
-        least 3-D) makes them, and any other op (scaling, masking, a bias, a cast, a reshape) keeps them; a product
-        with a weight matrix (``x @ W``) or a ``Linear`` makes logits (a router's, an output head's) instead."""
+        least 3-D) makes them, and any other op keeps them (scaling, masking, a bias added in place or not, a cast, a
+        reshape, heads mixed by a matrix); a product with a weight matrix (``x @ W``) or a ``Linear`` of anything
+        else makes logits (a router's, an output head's); a product with the weights (``w @ v``) makes neither."""
         if not isinstance(output, Tensor):
             return
-        if func in _PRODUCT_OPERANDS:
-            batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in _PRODUCT_OPERANDS[func](args))
-            _keep(self.scores if batched else self.logits, output)
+        inputs = list(_PRODUCT_OPERANDS[func](args)) if func in _PRODUCT_OPERANDS else list(_tensors(args, kwargs))
+        if any(_kept(self.weights, t) for t in inputs):
+            return
+        if any(_kept(self.scores, t) for t in inputs):
+            kind = self.scores
+        elif func in _PRODUCT_OPERANDS:
+            kind = self.scores if all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs) else self.logits
         elif func is F.linear:
-            _keep(self.logits, output)
-        elif any(_kept(self.scores, t) for t in _tensors(args, kwargs)):
-            _keep(self.scores, output)
+            kind = self.logits
+        else:
+            return
+        (self.logits if kind is self.scores else self.scores).pop(id(output), None)  # an in-place op changed it
+        _keep(kind, output)
 
     def _read_softmax(
         self, name: str, module: nn.Module, frame: types.FrameType, args: tuple, kwargs: dict, weights: Any
@@ -402,23 +410,23 @@ class SdpaWatch(TorchFunctionMode):
         keys that came neither from scores nor from logits (additive attention), is noted, not read."""
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         scores = args[0] if args else kwargs.get("input")
-        if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() not in (3, 4):
+        if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() < 2:
             return
-        if dim % weights.dim() != weights.dim() - 1:
-            return
-        if _kept(self.logits, scores):
+        _keep(self.weights, weights)
+        if dim % weights.dim() != weights.dim() - 1 or _kept(self.logits, scores):
             return
         index = self.calls.get(name, 0)
         site = name if index == 0 else f"{name}.call{index}"
         expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
         made = _kept(self.scores, scores)
-        heads = self._heads(expected, frame, weights) if made else None
+        heads = self._heads(expected, frame, weights) if made and weights.dim() >= 3 else None
         if heads is None:
-            if expected is not None and (made or weights.size(-1) == expected[2]):
+            if expected is not None and (made or (weights.dim() >= 3 and weights.size(-1) == expected[2])):
                 self.by_hand.unread.setdefault(name, (tuple(weights.shape), expected))
             return
         with torch.no_grad():
-            weights = weights.detach().reshape(-1, heads, *weights.shape[-2:])  # (B, H, Lq, Lk), also from (B · H, ...)
+            # (B, H, Lq, Lk), also from (B · H, Lq, Lk) or (B, Hk, G, Lq, Lk) (grouped-query heads in query order)
+            weights = weights.detach().reshape(-1, heads, *weights.shape[-2:])
             # Over the heads' largest scores: one pass over the scores, not three (the masked keys are the same
             # unless two heads' rows lie more than BIAS_SPAN apart).
             allowed = float_mask_allows(scores.detach().reshape(weights.shape).amax(dim=1))  # (B, Lq, Lk)
@@ -427,20 +435,20 @@ class SdpaWatch(TorchFunctionMode):
 
     @staticmethod
     def _heads(expected: tuple[int, int, int] | None, frame: types.FrameType, weights: Tensor) -> int | None:
-        """The heads of by-hand weights ``(B, H, Lq, Lk)`` or ``(B · H, Lq, Lk)``, from the site's tokens
-        ``expected`` ``(B, Lq, Lk)`` where known (else from a ``num_heads`` … of the module or of a module calling
-        it, else 1); None where the weights do not fit those tokens."""
+        """The heads of by-hand weights ``(B, H, Lq, Lk)``, ``(B, H1, H2 …, Lq, Lk)`` (``H1 · H2 …`` heads) or
+        ``(B · H, Lq, Lk)``, from the site's tokens ``expected`` ``(B, Lq, Lk)`` where known (else from a
+        ``num_heads`` … of the module or of a module calling it, else 1); None where the weights do not fit them."""
         if expected is None:
-            if weights.dim() == 4:
-                return weights.size(1)
+            if weights.dim() >= 4:
+                return math.prod(weights.shape[1:-2])
             declared = (declared_heads(o) for o in _method_owners(frame) if isinstance(o, nn.Module))
             heads = next((h for h in declared if h is not None), 1)
             return heads if weights.size(0) % heads == 0 else 1
         batch, len_q, len_k = expected
         if tuple(weights.shape[-2:]) != (len_q, len_k):
             return None
-        if weights.dim() == 4:
-            return weights.size(1) if weights.size(0) == batch else None
+        if weights.dim() >= 4:
+            return math.prod(weights.shape[1:-2]) if weights.size(0) == batch else None
         return weights.size(0) // batch if batch and weights.size(0) % batch == 0 else None
 
     def _hand_on(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:

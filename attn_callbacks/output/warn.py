@@ -40,10 +40,10 @@ class Warnings:
             f"unread:{','.join(unread)}",
             f"AttentionMonitor: module(s) found by the softmax and matrix product in their code took softmaxes over "
             f"their keys that were not read ({said}). Attention over one query position per call (a decoder run step "
-            "by step), over learned queries or over other tokens than the batch's cannot be matched to its tokens, "
-            "(B · H, Lq, Lk) scores must be batch-major, and additive (Bahdanau) scores, which no product of two "
-            "batched tensors makes, are not read. If a module is not attention, or to silence this, leave it out "
-            "with `modules`; for other streams see `attention_streams`.",
+            "by step), in blocks or windows, over learned queries or over other tokens than the batch's cannot be "
+            "matched to its tokens, (B · H, Lq, Lk) scores must be batch-major, and additive (Bahdanau) scores, which "
+            "no product of two batched tensors makes, are not read. If a module is not attention, or to silence "
+            "this, leave it out with `modules`; for other streams see `attention_streams`.",
         )
 
     def silent(self, silent: list[str], batches: int, ran: Collection[str] = (), by_hand: Collection[str] = ()) -> None:
