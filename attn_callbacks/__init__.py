@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from attn_callbacks import functional
     from attn_callbacks.callback import AttentionMonitor
+    from attn_callbacks.capture.collect import capture_attention
     from attn_callbacks.capture.find import find_attention_modules
-    from attn_callbacks.capture.hooks import AttentionCapture, capture_attention
+    from attn_callbacks.capture.hooks import AttentionCapture
     from attn_callbacks.output.export import EpochRecord, load_epoch, save_epoch
     from attn_callbacks.output.graph import export_graph
     from attn_callbacks.sums.accumulator import AttentionAccumulator, AttentionStats
@@ -44,7 +45,7 @@ _HOMES = {
     "functional": "attn_callbacks.functional",
     "AttentionMonitor": "attn_callbacks.callback",
     "AttentionCapture": "attn_callbacks.capture.hooks",
-    "capture_attention": "attn_callbacks.capture.hooks",
+    "capture_attention": "attn_callbacks.capture.collect",
     "find_attention_modules": "attn_callbacks.capture.find",
     "EpochRecord": "attn_callbacks.output.export",
     "load_epoch": "attn_callbacks.output.export",

@@ -141,7 +141,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         # Before the probe's own batch. A module found by a softmax and a product in its code that read nothing is
         # not attention (an output head, a router; one run in training only), or took softmaxes over the keys it
         # could not read (named apart); unless nothing at all was read.
-        unread, hand = self._capture.by_hand.unread, self._capture.hand_only
+        unread, hand = self._capture.by_hand.unread, self._capture.by_hand.hand_only
         silent = [name for name, count in self._capture.calls.items() if count == 0 and name not in unread]
         if len(silent) < len(self._capture.calls):
             silent = [name for name in silent if name not in hand]

@@ -2,8 +2,9 @@ import pytest
 import torch
 from torch import nn
 
+from attn_callbacks.capture.collect import capture_attention
 from attn_callbacks.capture.find import find_attention_modules
-from attn_callbacks.capture.hooks import AttentionCapture, capture_attention, mha_allowed
+from attn_callbacks.capture.hooks import AttentionCapture, mha_allowed
 
 
 def encoder(batch_first=True, layers=2, nested=True):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,17 +29,16 @@ from torch.utils.hooks import RemovableHandle
 
 from attn_callbacks.base.tensor_ops import float_mask_allows
 from attn_callbacks.capture import hf
+from attn_callbacks.capture.by_hand import ByHand
 from attn_callbacks.capture.find import (
     attention_candidates,
-    find_attention_modules,
     named_modules,
-    output_indices,
     reads_output,
 )
-from attn_callbacks.capture.sdpa import ByHand, SdpaCensus, SdpaWatch, calls_sdpa, computes_attention
+from attn_callbacks.capture.sdpa import SdpaCensus, SdpaWatch
 from attn_callbacks.capture.switches import EagerCompile, FastpathOff, GlobalSwitch
 
-__all__ = ["AttentionCapture", "capture_attention"]
+__all__ = ["AttentionCapture", "mha_allowed"]
 
 WeightsConsumer = Callable[[str, nn.Module, Tensor, slice, int, Tensor | None], None]
 
@@ -72,7 +71,7 @@ class AttentionCapture:
         output_index: for Hugging Face attention modules, the index of the weights in their output tuple
             (:func:`attn_callbacks.capture.hf.attention_outputs`); modules not named here are hooked or watched.
         expect: ``(site name, device)`` -> ``(B, Lq, Lk)`` of its token streams in the current batch: a softmax
-            computed by hand is read only where it fits them (:class:`~attn_callbacks.capture.sdpa.ByHand`); None:
+            computed by hand is read only where it fits them (:class:`~attn_callbacks.capture.by_hand.ByHand`); None:
             not known (``(B · H, Lq, Lk)`` scores are then split by the ``num_heads`` their module or its caller has).
     """
 
@@ -93,12 +92,7 @@ class AttentionCapture:
             for name, module in self.modules.items()
             if not isinstance(module, nn.MultiheadAttention) and not reads_output(module, name, self.output_index)
         }
-        # Watched modules computing attention by hand: their softmaxes are read too.
-        names = frozenset(name for name, module in self.watched.items() if computes_attention(module))
-        self.by_hand = ByHand(names, expect)
-        # Those with no SDPA call: one that read nothing is not attention (a router, a pooling, an output head),
-        # unless it took a softmax over the keys it could not read (by_hand.unread, warned about).
-        self.hand_only = frozenset(name for name in names if not calls_sdpa(self.watched[name]))
+        self.by_hand = ByHand.of(self.watched, expect)  # watched modules computing attention by hand
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
@@ -424,39 +418,3 @@ class _Inert:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         return None
-
-
-@contextmanager
-def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) -> Iterator[dict[str, list[Tensor]]]:
-    """Collect the per-head attention weights of every forward call, for use outside Lightning.
-
-    Args:
-        model: any ``nn.Module`` containing ``nn.MultiheadAttention`` modules (stock transformer layers included),
-            Hugging Face attention modules (eager or sdpa attention), modules calling
-            ``scaled_dot_product_attention`` or modules computing attention by hand (a softmax and a matrix product).
-        modules: optional fnmatch patterns over module names, as in :func:`find_attention_modules`.
-
-    Yields:
-        A dict: module name -> list of weight tensors ``(B, H, Lq, Lk)``, one per call, detached (SDPA calls: the
-        weights recomputed; a softmax computed by hand: its output; a module's k-th call of the block under
-        ``f"{name}.call{k}"``).
-
-    Example:
-        >>> layer = nn.TransformerEncoderLayer(8, 2, batch_first=True)
-        >>> model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
-        >>> with torch.no_grad(), capture_attention(model) as weights:
-        ...     _ = model(torch.randn(3, 5, 8))
-        >>> weights["layers.0.self_attn"][0].shape
-        torch.Size([3, 2, 5, 5])
-    """
-    collected: dict[str, list[Tensor]] = defaultdict(list)
-
-    def keep(name: str, module: nn.Module, weights: Tensor, rows: slice, batch: int, allowed: Tensor | None) -> None:
-        if rows.start == 0:
-            collected[name].append(weights.detach())
-        else:  # the next samples of the same SDPA call
-            collected[name][-1] = torch.cat([collected[name][-1], weights.detach()])
-
-    capture = AttentionCapture(find_attention_modules(model, modules), keep, output_index=output_indices(model))
-    with capture, capture.watching():
-        yield collected

@@ -20,15 +20,14 @@ while a watched module's forward runs (:class:`attn_callbacks.capture.hooks.Atte
 model's ops never pass through it. Calls are numbered per module from the watch's making on (one watch per batch), so
 that a module calling it several times per batch can name them apart.
 
-The same watch reads attention written by hand (:func:`computes_attention`: a softmax and a matrix product in a
-module's code, as minGPT writes it): the softmax such a module takes over the keys of its scores is the weights it
-applies, read as they are, nothing recomputed.
+The same watch hands the ops of modules computing attention by hand (:func:`computes_attention`: a softmax and a
+matrix product in a module's code, as minGPT writes it) to :mod:`attn_callbacks.capture.by_hand`, which reads their
+softmax.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import dis
 import functools
 import inspect
@@ -36,9 +35,8 @@ import math
 import sys
 import types
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -48,13 +46,17 @@ from torch.overrides import TorchFunctionMode
 
 from attn_callbacks.base.tensor_ops import float_mask_allows
 
+if TYPE_CHECKING:
+    from attn_callbacks.capture.by_hand import ByHand
+
 __all__ = [
     "CHUNK_BYTES",
-    "ByHand",
     "SdpaCensus",
     "SdpaWatch",
     "calls_sdpa",
     "computes_attention",
+    "method_owners",
+    "next_call",
     "sdpa_allowed",
     "sdpa_weights",
     "unreadable_attention",
@@ -65,19 +67,6 @@ SDPA_NAME = "scaled_dot_product_attention"
 
 #: Names of attention functions that return no weights and that the watch cannot recompute.
 _UNREADABLE = ("flex_attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func")
-
-#: The softmax functions a module computing attention by hand may call (``nn.Softmax`` calls the second).
-_SOFTMAX = frozenset({torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax})
-
-#: The matrix products that make attention scores, each with the operands of its arguments.
-_PRODUCT_OPERANDS: dict[Any, Callable[[tuple], Iterable[Any]]] = {
-    **dict.fromkeys(
-        (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm),
-        lambda args: args[:2],
-    ),
-    **dict.fromkeys((torch.baddbmm, torch.Tensor.baddbmm), lambda args: args[1:3]),
-    torch.einsum: lambda args: args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:],
-}
 
 #: Attributes by which attention modules say how many heads they have: MHA, BERT, DistilBERT / T5, GPT-2.
 HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -290,24 +279,6 @@ def _full(cell: types.CellType) -> bool:
 ChunkConsumer = Callable[[str, int, nn.Module, Tensor, slice, int, Tensor], None]
 
 
-@dataclasses.dataclass
-class ByHand:
-    """What the watches of one capture share about its modules computing attention by hand (:func:`computes_attention`).
-
-    Attributes:
-        names: those modules.
-        expect: ``(site name, device)`` -> ``(B, Lq, Lk)``, the batch size and the query and key lengths of the
-            site's token streams in the current batch (None: not known; outside Lightning).
-        unread: module -> the shape of a softmax over its keys that was not read, and the expected ``(B, Lq, Lk)``:
-            over scores that do not fit ``expect``, or over as many entries as the keys that came neither from scores
-            nor from logits (additive attention).
-    """
-
-    names: frozenset[str]
-    expect: Callable[[str, torch.device], tuple[int, int, int] | None] | None = None
-    unread: dict[str, tuple[tuple[int, ...], tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
-
-
 class SdpaWatch(TorchFunctionMode):
     """Sees ``scaled_dot_product_attention`` calls made inside watched modules while entered, and hands their
     recomputed weights on, a chunk of samples at a time; and reads the softmax of the modules computing attention by
@@ -321,7 +292,8 @@ class SdpaWatch(TorchFunctionMode):
         chunk_bytes: the most bytes of weights per consumer call (at least one sample).
         warned: names of the modules already warned about calling with dropout (shared by the watches of one
             capture, so that each module is named once).
-        by_hand: the modules computing attention by hand, and what the watches share about them.
+        by_hand: the modules computing attention by hand, and what the watches share about them
+            (:class:`attn_callbacks.capture.by_hand.ByHand`).
     """
 
     def __init__(
@@ -334,16 +306,11 @@ class SdpaWatch(TorchFunctionMode):
     ):
         super().__init__()
         self.modules = {id(module): (name, module) for name, module in modules.items()}
-        self.by_hand = ByHand(frozenset()) if by_hand is None else by_hand
         self.consumer = consumer
         self.chunk_bytes = chunk_bytes
         self.warned = set() if warned is None else warned
         self.calls: dict[str, int] = {}  # calls per watched module since this watch was made
-        # Tensors of by-hand modules (by id, with a weak reference to tell a reused id): the scores, made by a product
-        # of two batched tensors or from scores by any other op; and the logits of a weight matrix (x @ W, a Linear).
-        self.scores: dict[int, weakref.ref] = {}
-        self.logits: dict[int, weakref.ref] = {}
-        self.weights: dict[int, weakref.ref] = {}  # the outputs of their softmaxes
+        self.by_hand = by_hand.reader(consumer, self.calls) if by_hand is not None and by_hand.names else None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -355,14 +322,11 @@ class SdpaWatch(TorchFunctionMode):
             found = self._owner(sys._getframe(1))
             if found is not None:
                 self._hand_on(*found, args, kwargs)
-        elif self.by_hand.names:
+        elif self.by_hand is not None:
             frame = sys._getframe(1)
             found = self._owner(frame)
             if found is not None and found[0] in self.by_hand.names:
-                if func in _SOFTMAX:
-                    self._read_softmax(*found, frame, args, kwargs, output)
-                else:
-                    self._trace(func, args, kwargs, output)
+                self.by_hand.see(*found, func, method_owners(frame), args, kwargs, output)
         elif getattr(func, "__name__", None) == "flex_attention":
             found = self._owner(sys._getframe(1))
             if found is not None:
@@ -371,89 +335,11 @@ class SdpaWatch(TorchFunctionMode):
 
     def _owner(self, frame: types.FrameType | None) -> tuple[str, nn.Module] | None:
         """The innermost watched module with a method on the call's stack."""
-        return next((self.modules[id(s)] for s in _method_owners(frame) if id(s) in self.modules), None)
-
-    def _index(self, name: str) -> int:
-        index = self.calls.get(name, 0)
-        self.calls[name] = index + 1
-        return index
-
-    def _trace(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        """Follow attention scores through a by-hand module: a product of two batched tensors (``q @ kᵀ``: both at
-        least 3-D) makes them, and any other op keeps them (scaling, masking, a bias added in place or not, a cast, a
-        reshape, heads mixed by a matrix); a product with a weight matrix (``x @ W``) or a ``Linear`` of anything
-        else makes logits (a router's, an output head's); a product with the weights (``w @ v``) makes neither."""
-        if not isinstance(output, Tensor):
-            return
-        inputs = list(_PRODUCT_OPERANDS[func](args)) if func in _PRODUCT_OPERANDS else list(_tensors(args, kwargs))
-        if any(_kept(self.weights, t) for t in inputs):
-            return
-        if any(_kept(self.scores, t) for t in inputs):
-            kind = self.scores
-        elif func in _PRODUCT_OPERANDS:
-            kind = self.scores if all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs) else self.logits
-        elif func is F.linear:
-            kind = self.logits
-        else:
-            return
-        (self.logits if kind is self.scores else self.scores).pop(id(output), None)  # an in-place op changed it
-        _keep(kind, output)
-
-    def _read_softmax(
-        self, name: str, module: nn.Module, frame: types.FrameType, args: tuple, kwargs: dict, weights: Any
-    ) -> None:
-        """A softmax of a module computing attention by hand, read where it is one over the last dimension of scores
-        (:meth:`_trace`), ``(B, H, Lq, Lk)``, or ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)``, batch-major): its output is the
-        weights the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask
-        rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). Other softmaxes are not attention (a
-        router's, a pooling's). One over scores that do not fit the site's tokens, or one over as many entries as the
-        keys that came neither from scores nor from logits (additive attention), is noted, not read."""
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        scores = args[0] if args else kwargs.get("input")
-        if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() < 2:
-            return
-        _keep(self.weights, weights)
-        if dim % weights.dim() != weights.dim() - 1 or _kept(self.logits, scores):
-            return
-        index = self.calls.get(name, 0)
-        site = name if index == 0 else f"{name}.call{index}"
-        expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
-        made = _kept(self.scores, scores)
-        heads = self._heads(expected, frame, weights) if made and weights.dim() >= 3 else None
-        if heads is None:
-            if expected is not None and (made or (weights.dim() >= 3 and weights.size(-1) == expected[2])):
-                self.by_hand.unread.setdefault(name, (tuple(weights.shape), expected))
-            return
-        with torch.no_grad():
-            # (B, H, Lq, Lk), also from (B · H, Lq, Lk) or (B, Hk, G, Lq, Lk) (grouped-query heads in query order)
-            weights = weights.detach().reshape(-1, heads, *weights.shape[-2:])
-            # Over the heads' largest scores: one pass over the scores, not three (the masked keys are the same
-            # unless two heads' rows lie more than BIAS_SPAN apart).
-            allowed = float_mask_allows(scores.detach().reshape(weights.shape).amax(dim=1))  # (B, Lq, Lk)
-            batch = weights.size(0)
-            self.consumer(name, self._index(name), module, weights, slice(0, batch), batch, allowed)
-
-    @staticmethod
-    def _heads(expected: tuple[int, int, int] | None, frame: types.FrameType, weights: Tensor) -> int | None:
-        """The heads of by-hand weights ``(B, H, Lq, Lk)``, ``(B, H1, H2 …, Lq, Lk)`` (``H1 · H2 …`` heads) or
-        ``(B · H, Lq, Lk)``, from the site's tokens ``expected`` ``(B, Lq, Lk)`` where known (else from a
-        ``num_heads`` … of the module or of a module calling it, else 1); None where the weights do not fit them."""
-        if expected is None:
-            if weights.dim() >= 4:
-                return math.prod(weights.shape[1:-2])
-            declared = (declared_heads(o) for o in _method_owners(frame) if isinstance(o, nn.Module))
-            heads = next((h for h in declared if h is not None), 1)
-            return heads if weights.size(0) % heads == 0 else 1
-        batch, len_q, len_k = expected
-        if tuple(weights.shape[-2:]) != (len_q, len_k):
-            return None
-        if weights.dim() >= 4:
-            return math.prod(weights.shape[1:-2]) if weights.size(0) == batch else None
-        return weights.size(0) // batch if batch and weights.size(0) % batch == 0 else None
+        return next((self.modules[id(s)] for s in method_owners(frame) if id(s) in self.modules), None)
 
     def _hand_on(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         call = _SIGNATURE.bind(*args, **kwargs).arguments
-        index = self._index(name)
+        index = next_call(self.calls, name)
         query, key, mask = call["query"], call["key"], call.get("attn_mask")
         dropout = call.get("dropout_p", 0.0)
         if dropout and name not in self.warned:  # the weights below are dropout's expectation, not what was applied
@@ -516,7 +402,7 @@ class SdpaCensus(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention or torch.compiler.is_compiling():
             return output
         innermost = None
-        for owner in _method_owners(sys._getframe(1)):  # the innermost module of the model, unless one is found
+        for owner in method_owners(sys._getframe(1)):  # the innermost module of the model, unless one is found
             if id(owner) in self.found:
                 return output
             if innermost is None and id(owner) in self.names:
@@ -526,28 +412,14 @@ class SdpaCensus(TorchFunctionMode):
         return output
 
 
-def _keep(kept: dict[int, weakref.ref], tensor: Tensor) -> None:
-    """Keep ``tensor`` in ``kept`` by its id until it is freed (a long ``capture_attention`` block frees many)."""
-    key = id(tensor)
-    kept[key] = weakref.ref(tensor, lambda _, key=key: kept.pop(key, None))
+def next_call(calls: dict[str, int], name: str) -> int:
+    """The index of module ``name``'s next call in ``calls`` (calls so far, per module), counted."""
+    index = calls.get(name, 0)
+    calls[name] = index + 1
+    return index
 
 
-def _kept(kept: Mapping[int, weakref.ref], tensor: Any) -> bool:
-    """Whether ``tensor`` itself is in ``kept`` (an id of a tensor since freed may be another's now)."""
-    ref = kept.get(id(tensor))
-    return ref is not None and ref() is tensor
-
-
-def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[Any]:
-    """The arguments of a call, those in a list or tuple argument included (``torch.cat``, ``torch.where``)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
-
-
-def _method_owners(frame: types.FrameType | None) -> Iterator[Any]:
+def method_owners(frame: types.FrameType | None) -> Iterator[Any]:
     """The ``self`` of each method on the stack from ``frame`` outwards, innermost first."""
     while frame is not None:
         code = frame.f_code

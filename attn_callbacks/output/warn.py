@@ -30,7 +30,7 @@ class Warnings:
 
     def unread(self, unread: Mapping[str, tuple[tuple[int, ...], tuple[int, int, int]]]) -> None:
         """Softmaxes over the keys that modules computing attention by hand took and the monitor could not read
-        (:class:`~attn_callbacks.capture.sdpa.ByHand`), with their shapes and the tokens' (once per set)."""
+        (:class:`~attn_callbacks.capture.by_hand.ByHand`), with their shapes and the tokens' (once per set)."""
         if not unread:
             return
         said = "; ".join(

@@ -1,0 +1,207 @@
+"""Attention written by hand: the softmax a module takes over the scores ``q @ kᵀ`` made, read as it is.
+
+Modules found by a softmax and a matrix product in their code (:func:`attn_callbacks.capture.sdpa.computes_attention`)
+are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch`, which hands each op they run to a
+:class:`HandReader` (one per watch, that is per batch). The reader follows the scores from the product that made them
+to the softmax, tells them from a router's or an output head's logits, and hands the softmax's output on as the
+weights the module applies, with the keys its input's mask allows. Nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from attn_callbacks.base.tensor_ops import float_mask_allows
+from attn_callbacks.capture.sdpa import ChunkConsumer, calls_sdpa, computes_attention, declared_heads, next_call
+
+__all__ = ["ByHand", "HandReader"]
+
+#: The softmax functions a module computing attention by hand may call (``nn.Softmax`` calls the second).
+_SOFTMAX = frozenset({torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax})
+
+#: The matrix products that make attention scores, each with the operands of its arguments.
+_PRODUCT_OPERANDS: dict[Any, Callable[[tuple], Iterable[Any]]] = {
+    **dict.fromkeys(
+        (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm),
+        lambda args: args[:2],
+    ),
+    **dict.fromkeys((torch.baddbmm, torch.Tensor.baddbmm), lambda args: args[1:3]),
+    torch.einsum: lambda args: args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:],
+}
+
+
+@dataclasses.dataclass
+class ByHand:
+    """What the watches of one capture share about its modules computing attention by hand (:func:`computes_attention`).
+
+    Attributes:
+        names: those modules.
+        hand_only: those of them whose code calls no ``scaled_dot_product_attention``: one that read nothing is not
+            attention (a router, a pooling, an output head), unless it took a softmax over its keys it could not read.
+        expect: ``(site name, device)`` -> ``(B, Lq, Lk)``, the batch size and the query and key lengths of the
+            site's token streams in the current batch (None: not known; outside Lightning).
+        unread: module -> the shape of a softmax over its keys that was not read, and the expected ``(B, Lq, Lk)``:
+            over scores that do not fit ``expect``, or over as many entries as the keys that came neither from scores
+            nor from logits (additive attention).
+    """
+
+    names: frozenset[str]
+    hand_only: frozenset[str] = frozenset()
+    expect: Callable[[str, torch.device], tuple[int, int, int] | None] | None = None
+    unread: dict[str, tuple[tuple[int, ...], tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        watched: Mapping[str, nn.Module],
+        expect: Callable[[str, torch.device], tuple[int, int, int] | None] | None = None,
+    ) -> ByHand:
+        """The watched modules that compute attention by hand, and those of them that call no SDPA."""
+        names = frozenset(name for name, module in watched.items() if computes_attention(module))
+        return cls(names, frozenset(name for name in names if not calls_sdpa(watched[name])), expect)
+
+    def reader(self, consumer: ChunkConsumer, calls: dict[str, int]) -> HandReader:
+        """A reader for one watch, numbering reads in ``calls`` (the watch's calls per module) with its SDPA calls."""
+        return HandReader(self, consumer, calls)
+
+
+class HandReader:
+    """One watch's reading of the modules computing attention by hand: every op they run passes :meth:`see`.
+
+    Args:
+        by_hand: the modules, and what the watches share about them.
+        consumer: as :class:`attn_callbacks.capture.sdpa.SdpaWatch`'s.
+        calls: calls per module in this watch, shared with its SDPA calls, so that a module's calls are numbered in
+            one sequence.
+    """
+
+    def __init__(self, by_hand: ByHand, consumer: ChunkConsumer, calls: dict[str, int]) -> None:
+        self.by_hand = by_hand
+        self.names = by_hand.names
+        self.consumer = consumer
+        self.calls = calls
+        # Their tensors (by id, with a weak reference to tell a reused id, dropped when the tensor is freed): the
+        # scores, made by a product of two batched tensors or from scores by any other op; the logits of a weight
+        # matrix (x @ W, a Linear); the outputs of their softmaxes.
+        self.scores: dict[int, weakref.ref] = {}
+        self.logits: dict[int, weakref.ref] = {}
+        self.weights: dict[int, weakref.ref] = {}
+
+    def see(
+        self,
+        name: str,
+        module: nn.Module,
+        func: Any,
+        owners: Iterator[Any],
+        args: tuple,
+        kwargs: dict,
+        output: Any,
+    ) -> None:
+        """One op ``func(*args, **kwargs) -> output`` that module ``name`` ran (``owners``: the ``self`` of each method
+        on its stack, innermost first)."""
+        if func in _SOFTMAX:
+            self._read_softmax(name, module, owners, args, kwargs, output)
+        else:
+            self._trace(func, args, kwargs, output)
+
+    def _trace(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        """Follow attention scores through a by-hand module: a product of two batched tensors (``q @ kᵀ``: both at
+        least 3-D) makes them, and any other op keeps them (scaling, masking, a bias added in place or not, a cast, a
+        reshape, heads mixed by a matrix); a product with a weight matrix (``x @ W``) or a ``Linear`` of anything
+        else makes logits (a router's, an output head's); a product with the weights (``w @ v``) makes neither."""
+        if not isinstance(output, Tensor):
+            return
+        inputs = list(_PRODUCT_OPERANDS[func](args)) if func in _PRODUCT_OPERANDS else list(_tensors(args, kwargs))
+        if any(_kept(self.weights, t) for t in inputs):
+            return
+        if any(_kept(self.scores, t) for t in inputs):
+            kind = self.scores
+        elif func in _PRODUCT_OPERANDS:
+            kind = self.scores if all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs) else self.logits
+        elif func is F.linear:
+            kind = self.logits
+        else:
+            return
+        (self.logits if kind is self.scores else self.scores).pop(id(output), None)  # an in-place op changed it
+        _keep(kind, output)
+
+    def _read_softmax(
+        self, name: str, module: nn.Module, owners: Iterator[Any], args: tuple, kwargs: dict, weights: Any
+    ) -> None:
+        """A softmax of a module computing attention by hand, read where it is one over the last dimension of scores
+        (:meth:`_trace`), ``(B, H, Lq, Lk)``, or ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)``, batch-major): its output is the
+        weights the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask
+        rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). Other softmaxes are not attention (a
+        router's, a pooling's). One over scores that do not fit the site's tokens, or one over as many entries as the
+        keys that came neither from scores nor from logits (additive attention), is noted, not read."""
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        scores = args[0] if args else kwargs.get("input")
+        if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() < 2:
+            return
+        _keep(self.weights, weights)
+        if dim % weights.dim() != weights.dim() - 1 or _kept(self.logits, scores):
+            return
+        index = self.calls.get(name, 0)
+        site = name if index == 0 else f"{name}.call{index}"
+        expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
+        made = _kept(self.scores, scores)
+        heads = _heads(expected, owners, weights) if made and weights.dim() >= 3 else None
+        if heads is None:
+            if expected is not None and (made or (weights.dim() >= 3 and weights.size(-1) == expected[2])):
+                self.by_hand.unread.setdefault(name, (tuple(weights.shape), expected))
+            return
+        with torch.no_grad():
+            # (B, H, Lq, Lk), also from (B · H, Lq, Lk) or (B, Hk, G, Lq, Lk) (grouped-query heads in query order)
+            weights = weights.detach().reshape(-1, heads, *weights.shape[-2:])
+            # Over the heads' largest scores: one pass over the scores, not three (the masked keys are the same
+            # unless two heads' rows lie more than BIAS_SPAN apart).
+            allowed = float_mask_allows(scores.detach().reshape(weights.shape).amax(dim=1))  # (B, Lq, Lk)
+            batch = weights.size(0)
+            self.consumer(name, next_call(self.calls, name), module, weights, slice(0, batch), batch, allowed)
+
+
+def _heads(expected: tuple[int, int, int] | None, owners: Iterator[Any], weights: Tensor) -> int | None:
+    """The heads of by-hand weights ``(B, H, Lq, Lk)``, ``(B, H1, H2 …, Lq, Lk)`` (``H1 · H2 …`` heads) or
+    ``(B · H, Lq, Lk)``, from the site's tokens ``expected`` ``(B, Lq, Lk)`` where known (else from a ``num_heads`` …
+    of the module or of a module calling it, among ``owners``, else 1); None where the weights do not fit them."""
+    if expected is None:
+        if weights.dim() >= 4:
+            return math.prod(weights.shape[1:-2])
+        declared = (declared_heads(o) for o in owners if isinstance(o, nn.Module))
+        heads = next((h for h in declared if h is not None), 1)
+        return heads if weights.size(0) % heads == 0 else 1
+    batch, len_q, len_k = expected
+    if tuple(weights.shape[-2:]) != (len_q, len_k):
+        return None
+    if weights.dim() >= 4:
+        return math.prod(weights.shape[1:-2]) if weights.size(0) == batch else None
+    return weights.size(0) // batch if batch and weights.size(0) % batch == 0 else None
+
+
+def _keep(kept: dict[int, weakref.ref], tensor: Tensor) -> None:
+    """Keep ``tensor`` in ``kept`` by its id until it is freed (a long ``capture_attention`` block frees many)."""
+    key = id(tensor)
+    kept[key] = weakref.ref(tensor, lambda _, key=key: kept.pop(key, None))
+
+
+def _kept(kept: Mapping[int, weakref.ref], tensor: Any) -> bool:
+    """Whether ``tensor`` itself is in ``kept`` (an id of a tensor since freed may be another's now)."""
+    ref = kept.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
+def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[Any]:
+    """The arguments of a call, those in a list or tuple argument included (``torch.cat``, ``torch.where``)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
