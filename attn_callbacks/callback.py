@@ -52,7 +52,11 @@ class AttentionMonitor(MonitorOptions, Callback):
         try:
             modules = find_attention_modules(pl_module, self.modules)
             self._capture = AttentionCapture(
-                modules, self._consume, output_index=output_indices(pl_module), expect=self._expected
+                modules,
+                self._consume,
+                output_index=output_indices(pl_module),
+                expect=self._expected,
+                skip_generate=True,  # decoding attends over cached tokens the batch does not hold
             )
             kept_calls = self._sites.setup(modules, self._capture.watched)
             self._streams.wire(list(modules), pl_module, self.attention_streams)
@@ -142,11 +146,14 @@ class AttentionMonitor(MonitorOptions, Callback):
         # not attention (an output head, a router; one run in training only), or took softmaxes over the keys it
         # could not read (named apart); unless nothing at all was read.
         unread, hand = self._capture.by_hand.unread, self._capture.by_hand.hand_only
+        generated = self._capture.generated
         silent = [name for name, count in self._capture.calls.items() if count == 0 and name not in unread]
         if len(silent) < len(self._capture.calls):
             silent = [name for name in silent if name not in hand]
-        self._report.warnings.silent(silent, self._monitored_batches, self._capture.ran(), hand)
+        quiet = [name for name in silent if name not in generated]  # those ran in generate() only are said below
+        self._report.warnings.silent(quiet, self._monitored_batches, self._capture.ran(), hand)
         self._report.warnings.unread(self._capture.by_hand.unread)
+        self._report.warnings.generated(generated, read=len(silent) < len(self._capture.calls))
         try:
             if self._probe.own_batch and drift_epoch:
                 self._capture.attach()  # detached after `limit_batches`

@@ -720,3 +720,50 @@ def test_hf_eager_and_sdpa_twins_count_the_same_visible_keys_and_rows(tmp_path, 
                     for b in row.tolist():
                         U[a, b] += 1 / LENGTH
         torch.testing.assert_close(eager["model.model.encoder.layers.0.self_attn"].uniform_sum.double(), U)
+
+
+class GeneratingToo(Generating):
+    """The common recipe: the batch's forward (its loss), then ``generate()`` for a metric over the decoded text."""
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.model.generate(batch["input_ids"][:, :4], max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+
+
+@pytest.mark.parametrize(("kind", "attn_implementation"), [("gpt2", "sdpa"), ("gpt2", "eager"), ("t5", "sdpa")])
+def test_hf_generate_in_validation_step_is_left_out_and_the_sums_equal_the_forward_alone(
+    tmp_path, kind, attn_implementation
+):
+    """generate()'s prefill and cached decoding steps are not read (they no longer stop validation): the exported sums
+    equal those of the batch's forward alone, and the warning counts every attention call generate() made."""
+    batches = generative_batches(kind)
+    streams = {"src": "input_ids", "tgt": "decoder_input_ids"} if kind in SEQ2SEQ else "input_ids"
+    model = generative(kind, attn_implementation)
+    runs = {}
+    for wrapper in (Generating, GeneratingToo):
+        root = tmp_path / wrapper.__name__
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            validate(root, AttentionMonitor(VOCAB, streams, ignore_ids=[PAD], export="pt"), model, batches, wrapper)
+        runs[wrapper] = load_epoch(next(root.rglob("*.pt"))), [str(w.message) for w in caught]
+    (alone, _), (both, said) = runs[Generating], runs[GeneratingToo]
+    assert list(both.modules) == list(alone.modules) and len(alone.modules) >= LAYERS
+    for name, stats in alone.modules.items():
+        assert torch.equal(both.modules[name].attention_sum, stats.attention_sum), name
+        assert torch.equal(both.modules[name].query_count, stats.query_count), name
+
+    calls = 0  # every attention call generate() makes, counted apart
+
+    def count(*_):
+        nonlocal calls
+        calls += 1
+
+    handles = [m.register_forward_hook(count) for m in find_attention_modules(model).values()]
+    with torch.no_grad():
+        for batch in batches:
+            model.generate(batch["input_ids"][:, :4], max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    for handle in handles:
+        handle.remove()
+    left_out = [message for message in said if "inside generate()" in message]
+    assert len(left_out) == 1 and left_out[0].startswith(f"AttentionMonitor: {calls} call(s) of attention module(s)")
+    assert calls > len(batches) * 3

@@ -344,3 +344,40 @@ def test_a_causal_hint_without_a_mask_is_read_as_the_unmasked_attention_it_compu
     assert len([w for w in caught if "is_causal=True" in str(w.message)]) == 1  # once per module
     torch.testing.assert_close(weights[name][0], unmasked)
     assert float(weights[name][0].triu(1).amax()) > 0.1  # keys after the query weighed: not causal
+
+
+class Decoding(nn.Module):
+    """An encoder layer and a greedy ``generate`` that runs it again on a growing prefix, as decoding loops do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def generate(self, x, steps):
+        for _ in range(steps):
+            x = torch.cat([x, self(x)[:, -1:]], dim=1)
+        return x
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_calls_inside_a_generate_method_are_counted_not_read_when_skipped(skip):
+    """The monitor leaves out what ``generate`` computes (cached decoding attends over tokens the batch does not
+    hold); ``capture_attention`` keeps every call. Outputs are as unhooked (the fast path's, to float32 rounding)."""
+    model = Decoding()
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        plain = model.generate(x, 2)
+        calls, capture = count_calls(model)
+        capture.skip_generate = skip
+        with capture:
+            model(x)
+            got = model.generate(x, 2)
+    torch.testing.assert_close(got, plain)
+    shapes = [tuple(w.shape) for w in calls["layer.self_attn"]]
+    assert shapes == ([(2, 4, 3, 3)] if skip else [(2, 4, 3, 3), (2, 4, 3, 3), (2, 4, 4, 4)])
+    assert capture.generated == ({"layer.self_attn": 2} if skip else {})
+    assert capture.calls["layer.self_attn"] == len(shapes)

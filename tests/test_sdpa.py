@@ -142,6 +142,13 @@ class TinyGPT(nn.Module):
             x = block(x)
         return self.head(x)
 
+    @torch.no_grad()
+    def generate(self, ids, new_tokens):
+        """nanoGPT's: the model run again on the whole prefix for each new token, greedily."""
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, self(ids)[:, -1:].argmax(-1)], dim=1)
+        return ids
+
 
 class Lit(LightningModule):
     def __init__(self, model):
@@ -1129,3 +1136,58 @@ def test_scores_are_followed_through_grouped_heads_in_place_terms_and_mixed_head
         model(x)
         want = F.softmax(model[0].scores(x), dim=-1).reshape(3, 4, 5, 5)  # (B, H, T, T)
     torch.testing.assert_close(weights["0"][0], want)
+
+
+class Sampling(Lit):
+    """A validation_step that also generates from the batch's first tokens (nanoGPT's ``generate``), as users do to
+    look at samples; or only generates."""
+
+    def __init__(self, model, forward=True):
+        super().__init__(model)
+        self.forward_too = forward
+
+    def validation_step(self, batch, batch_idx):
+        if self.forward_too:
+            self.outputs.append(self.model(batch["ids"]))
+        self.outputs.append(self.model.generate(batch["ids"][:, :4], 3))
+
+
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_generate_in_validation_step_is_left_out_and_the_batchs_forward_logs_as_alone(tmp_path, by_hand):
+    """What the model computes in ``generate`` (prefixes the batch does not hold) is not read: the logged values equal
+    a run without it, a warning counts the calls left out; with no forward on the batch, it says nothing was seen."""
+    torch.manual_seed(0)
+    model = TinyGPT(eager=by_hand).eval()
+    monitor = functools.partial(AttentionMonitor, vocab_size=12, token_ids="ids")
+    _, alone = run(tmp_path / "alone", model, monitor(), gpt_batches())
+    lit = Sampling(model)
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[monitor()], enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(lit, DataLoader(gpt_batches(), batch_size=None), verbose=False)
+    want, got = scalars(alone), scalars(trainer)
+    assert sorted(got) == sorted(want) and len(want) > 20
+    for tag, value in want.items():
+        assert got[tag] == pytest.approx(value, rel=1e-6, abs=1e-7), tag
+    said = [str(w.message) for w in caught if "inside generate()" in str(w.message)]
+    # 2 batches, 3 new tokens each, 2 layers
+    assert said == [
+        "AttentionMonitor: 12 call(s) of attention module(s) 'model.blocks.0.attn', 'model.blocks.1.attn' made inside "
+        "generate() in monitored batches were not read: decoding attends over cached and generated tokens that the "
+        "batch does not hold. The monitor reads the forward passes validation_step runs on the batch itself."
+    ]
+    assert not [w for w in caught if "never ran" in str(w.message) or "took no softmax" in str(w.message)]
+
+    only = Trainer(
+        default_root_dir=tmp_path / "only", accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path / "only"),
+        callbacks=[monitor()], enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        only.validate(Sampling(model, forward=False), DataLoader(gpt_batches(), batch_size=None), verbose=False)
+    said = [str(w.message) for w in caught if "AttentionMonitor" in str(w.message)]
+    assert len(said) == 1 and "this one ran none, so nothing was seen" in said[0], said
+    assert scalars(only) == {}

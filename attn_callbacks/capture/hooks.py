@@ -12,11 +12,16 @@ runs eager attention: a forward hook alone reads them, and everything downstream
 included) are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch` instead, a watch per batch
 (:meth:`AttentionCapture.watching`), entered while each of their forwards runs; so are modules computing attention by
 hand, whose softmax the watch reads.
+
+A capture may leave out what a module's ``generate`` method computes (the monitor does: cached decoding attends over
+tokens the batch does not hold); it counts those calls instead.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
+import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -73,6 +78,8 @@ class AttentionCapture:
         expect: ``(site name, device)`` -> ``(B, Lq, Lk)`` of its token streams in the current batch: a softmax
             computed by hand is read only where it fits them (:class:`~attn_callbacks.capture.by_hand.ByHand`); None:
             not known (``(B · H, Lq, Lk)`` scores are then split by the ``num_heads`` their module or its caller has).
+        skip_generate: leave out the calls made inside a ``generate`` method of a module (Hugging Face's
+            ``generate()``, nanoGPT's): not read, counted per module in :attr:`generated`.
     """
 
     def __init__(
@@ -82,8 +89,10 @@ class AttentionCapture:
         disable_fastpath: bool = True,
         output_index: Mapping[str, int] | None = None,
         expect: Callable[[str, torch.device], tuple[int, int, int] | None] | None = None,
+        skip_generate: bool = False,
     ) -> None:
         self.modules = dict(modules)
+        self.skip_generate = skip_generate
         self.consumer = consumer
         self.disable_fastpath = disable_fastpath
         self.output_index = dict(output_index or {})
@@ -93,6 +102,7 @@ class AttentionCapture:
             if not isinstance(module, nn.MultiheadAttention) and not reads_output(module, name, self.output_index)
         }
         self.by_hand = ByHand.of(self.watched, expect)  # watched modules computing attention by hand
+        self._names = {id(module): name for name, module in self.watched.items()}
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
@@ -103,9 +113,11 @@ class AttentionCapture:
         self._census: SdpaCensus | None = None  # the look for SDPA calls outside the modules found, while on
         self._depth = 0  # watched forwards running inside each other, while one entered the watch
         self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # calls per module, until reset_calls()
+        self.generated: dict[str, int] = {}  # calls per module left out inside generate(), likewise
         self._forwards: set[int] = set()  # ids of the watched modules whose forward ran while watching, likewise
-        # What each in-flight call asked for, pushed by the pre-hook and popped by the hook (calls may nest).
-        self._requested: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
+        # What each in-flight call asked for (None: a call left unread), pushed by the pre-hook and popped by the hook
+        # (calls may nest).
+        self._requested: dict[str, list[tuple[bool, bool] | None]] = defaultdict(list)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickle) is detached: hooks and the hold on the fast path stay with this one."""
@@ -128,6 +140,7 @@ class AttentionCapture:
     def reset_calls(self) -> None:
         """Start counting calls per module (:attr:`calls`, :meth:`ran`) from 0."""
         self.calls = dict.fromkeys(self.modules, 0)
+        self.generated = {}
         self._forwards.clear()
         self.by_hand.unread.clear()
 
@@ -222,6 +235,8 @@ class AttentionCapture:
         return census.unseen
 
     def _enter_watch(self, module: nn.Module, args: tuple) -> None:
+        if self._depth == 0 and self._watch is not None and self._generating(self._names[id(module)]):
+            return  # left with the depth at 0: its forward hook does nothing either
         if self._watch is not None:
             self._forwards.add(id(module))
         if self._depth == 0:
@@ -255,8 +270,19 @@ class AttentionCapture:
             self.calls[name] += 1
         self.consumer(name if index == 0 else f"{name}.call{index}", module, weights, rows, batch, allowed)
 
-    def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
-        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _generating(self, name: str) -> bool:
+        """Whether the call of module ``name`` under way is one to leave out (made inside a ``generate`` method),
+        counted if so."""
+        if not self.skip_generate or not in_generate(sys._getframe(2)):
+            return False
+        self.generated[name] = self.generated.get(name, 0) + 1
+        return True
+
+    def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict] | None]:
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if self._generating(name):
+                self._requested[name].append(None)  # the call runs as asked, unread
+                return None
             # Bind so that a positional need_weights (mha(q, k, v, None, False)) is seen and replaced too.
             bound = _MHA_SIGNATURE.bind(module, *args, **kwargs)
             bound.apply_defaults()
@@ -287,7 +313,10 @@ class AttentionCapture:
 
     def _hook(self, name: str, module: nn.MultiheadAttention) -> Callable[..., Any]:
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: tuple[Tensor, Tensor | None]) -> Any:
-            need_weights, average = self._requested[name].pop()
+            requested = self._requested[name].pop()
+            if requested is None:
+                return None
+            need_weights, average = requested
             out, weights = output
             if weights is None:  # cannot happen with need_weights=True, but never hand None on
                 return (out, None) if not need_weights else output
@@ -310,6 +339,8 @@ class AttentionCapture:
         extra = next((p.name for p in getattr(signature, "parameters", {}).values() if p.kind is p.VAR_KEYWORD), None)
 
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._generating(name):
+                return
             weights = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
             if not isinstance(weights, Tensor) or weights.dim() != 4:  # switched to SDPA, say: fail, not sum nothing
                 raise RuntimeError(hf.no_weights_message(name, module, index=index, got=weights))
@@ -351,6 +382,16 @@ class AttentionCapture:
             stacklevel=2,
         )
         return None
+
+
+def in_generate(frame: types.FrameType | None) -> bool:
+    """Whether a ``generate`` method of a module (Hugging Face's ``generate()``, nanoGPT's) is on the stack from
+    ``frame`` outwards."""
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and isinstance(frame.f_locals.get("self"), nn.Module):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:

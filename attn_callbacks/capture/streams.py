@@ -291,9 +291,9 @@ class Streams:
                 f"{tuple(weights.shape)}, which does not match the token ids of its query stream {query_stream!r} "
                 f"{tuple(query_ids.shape)} and key stream {key_stream!r} {tuple(key_ids.shape)} (expected (B, Lq) and "
                 "(B, Lk); see arguments `attention_streams` and `batch_first`). A module that attends over other "
-                "tokens than the batch's, as generate() does with its cache, or one query position per call, as a "
-                "decoder loop does, cannot be monitored in `validation_step`: generate in `on_validation_epoch_end`, "
-                "or leave the module out with `modules`"
+                "tokens than the batch's, or one query position per call, as a decoder loop does, cannot be "
+                "monitored in `validation_step` (calls inside a `generate` method of a module are left out): decode "
+                "in a method named `generate` or in `on_validation_epoch_end`, or leave the module out with `modules`"
             )
         return (query_ids, query_valid), (key_ids, key_valid)
 

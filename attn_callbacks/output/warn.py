@@ -104,6 +104,27 @@ class Warnings:
                 "whose calls are summed apart and can be given their own streams (`attention_streams`).",
             )
 
+    def generated(self, generated: Mapping[str, int], read: bool) -> None:
+        """Calls of attention modules (name -> calls) made inside a ``generate`` method, left out; ``read``: whether
+        any call outside one was read."""
+        if not generated:
+            return
+        names = list(generated)
+        which = ", ".join(map(repr, names[:2])) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+        self.once(
+            "generate",
+            f"AttentionMonitor: {sum(generated.values())} call(s) of attention module(s) {which} made inside "
+            "generate() in monitored batches were not read: decoding attends over cached and generated tokens "
+            "that the batch does not hold. The monitor reads the forward passes validation_step runs on the batch "
+            "itself"
+            + (
+                "."
+                if read
+                else ", and this one ran none, so nothing was seen: run the model on the batch too (the forward "
+                "that gives the validation loss)."
+            ),
+        )
+
     def unseen_sdpa(self, unseen: dict[str, str]) -> None:
         """Modules ``unseen`` (name -> class name) called ``scaled_dot_product_attention`` outside every attention
         module found: that attention is not summed."""
