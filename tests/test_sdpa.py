@@ -844,23 +844,33 @@ def test_attention_computed_by_hand_is_read_from_its_softmax_as_a_float64_loop_o
 
     twin = HandGPT(style).double()
     causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(3, 9, 9)
-    heads = 1 if style == "karpathy" else 2
-    S, C, Q = torch.zeros(heads, 12, 12), torch.zeros(12, 12), torch.zeros(12)
-    U, position = torch.zeros(12, 12), torch.zeros(6, heads)
-    S, C, Q, U, position = (t.double() for t in (S, C, Q, U, position))
-    underflowed = 0
+    cases, underflowed = [], 0
     with torch.no_grad():
         for batch in batches:
-            ids, valid = batch["ids"], torch.ones_like(batch["ids"], dtype=torch.bool)
-            twin.model(ids)
+            twin.model(batch["ids"])
             weights = twin.model.blocks[0].attn.weights  # (B, H, T, T) float64
             underflowed += int((causal & (weights.float().amax(dim=1) == 0)).sum())
-            s, c, q, skipped = naive_accumulate(weights, ids, ids, valid, valid, 12, 12, causal)
-            assert skipped == 0
-            S, C, Q = S + s, C + c, Q + q
-            U += naive_uniform(weights, ids, ids, valid, valid, 12, 12, causal)
-            position += naive_position_sums(weights, valid, valid, causal)
+            cases.append((weights, batch["ids"], batch["ids"], causal))
     assert underflowed > 20
+    assert_sums_of_float64_loop(stats, cases, 12, 12)
+
+
+def assert_sums_of_float64_loop(stats, cases, vq, vk, pad=None):
+    """The exported ``stats`` of a module equal float64 loops over ``cases``: per batch, its float64 weights
+    ``(B, H, Lq, Lk)``, query and key ids (``pad``: the id ignored) and the keys its mask allows ``(B, Lq, Lk)``."""
+    heads = cases[0][0].size(1)
+    S, C, Q = torch.zeros(heads, vq, vk), torch.zeros(vq, vk), torch.zeros(vq)
+    U, position = torch.zeros(vq, vk), torch.zeros(6, heads)
+    S, C, Q, U, position = (t.double() for t in (S, C, Q, U, position))
+    for weights, query, key, allowed in cases:
+        query_valid, key_valid = (
+            torch.ones_like(ids, dtype=torch.bool) if pad is None else ids != pad for ids in (query, key)
+        )
+        s, c, q, skipped = naive_accumulate(weights, query, key, query_valid, key_valid, vq, vk, allowed)
+        assert skipped == 0
+        S, C, Q = S + s, C + c, Q + q
+        U += naive_uniform(weights, query, key, query_valid, key_valid, vq, vk, allowed)
+        position += naive_position_sums(weights, query_valid, key_valid, allowed)
     assert int(stats.skipped_rows) == 0
     torch.testing.assert_close(stats.attention_sum.double(), S, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats.pair_count.double(), C)
@@ -990,71 +1000,164 @@ def test_modules_taking_a_softmax_and_a_product_but_no_attention_scores_are_neit
 
 
 class StepDecoder(nn.Module):
-    """Dot-product attention over the sequence, one query position per call, as a decoder loop takes it."""
+    """Dot-product (Luong) attention, one query position per call, as a decoder loop takes it; causal, ``-inf``
+    masked. Keeps its weights ``(B, 1, T, T)`` for the float64 reference."""
 
-    def __init__(self, dim=16):
+    def __init__(self, dim=16, short=0):
         super().__init__()
-        self.q = nn.Linear(dim, dim)
+        self.q, self.short = nn.Linear(dim, dim), short
 
     def forward(self, x):
-        out = []
-        for t in range(x.size(1)):
+        out, weights = [], []
+        for t in range(x.size(1) - self.short):
             scores = torch.bmm(self.q(x[:, t : t + 1]), x.transpose(1, 2))  # (B, 1, T)
-            out.append(torch.bmm(F.softmax(scores, dim=-1), x))
+            scores[:, :, t + 1 :] = -math.inf
+            weights.append(F.softmax(scores, dim=-1))
+            out.append(torch.bmm(weights[-1], x))
+        self.weights = torch.cat(weights, dim=1)[:, None]
         return torch.cat(out, dim=1)
 
 
-class Stepping(LightningModule):
-    def __init__(self):
+class Additive(nn.Module):
+    """d2l's additive attention over the whole sequence, ``vᵀ tanh(W q + U k)`` (B, T, T), its causal mask written
+    in place as d2l's ``masked_softmax`` does (-1e6)."""
+
+    def __init__(self, dim=16):
         super().__init__()
+        self.w_q, self.w_k, self.w_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x):
+        t = x.size(1)
+        scores = self.w_v(torch.tanh(self.w_q(x)[:, :, None] + self.w_k(x)[:, None])).squeeze(-1)  # (B, T, T)
+        flat = scores.reshape(-1, t)  # (B · T, T)
+        flat[torch.ones(t, t, dtype=torch.bool).triu(1).repeat(x.size(0), 1)] = -1e6
+        self.weights = F.softmax(flat.reshape(scores.shape), dim=-1)[:, None]
+        return torch.bmm(self.weights[:, 0], x)
+
+
+class Stepping(LightningModule):
+    def __init__(self, step=None):
+        super().__init__()
+        torch.manual_seed(0)
         self.model = TinyGPT(heads=2, layers=1)
-        self.step = StepDecoder()
+        self.step = step or StepDecoder()
 
     def validation_step(self, batch, batch_idx):
         self.step(self.model.emb(batch["ids"]))
         self.model(batch["ids"])
 
 
-def test_softmax_over_scores_that_do_not_fit_the_tokens_is_not_read_and_named_with_its_shape(tmp_path):
-    """Attention one query position per call cannot be matched to the batch's tokens: skipped, named once with the
-    shape it had and the tokens', while the model's other attention is read."""
+@pytest.mark.parametrize("step", [StepDecoder, Additive])
+def test_decoder_loop_and_additive_attention_are_read_as_a_float64_loop(tmp_path, step):
+    """A decoder loop's steps, one query position per call, make one call over the query stream; additive scores
+    (a one-output Linear) are scores: S, C, Q, U and the position sums equal a float64 loop over the float64 twin's
+    weights."""
+    lit = Stepping(step())
+    Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")], enable_progress_bar=False,
+        enable_model_summary=False,
+    ).validate(lit, DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
+    modules = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules
+    assert list(modules) == ["step", "model.blocks.0.attn"]
+
+    twin = lit.double()
+    causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(3, 9, 9)
+    cases = []
+    with torch.no_grad():
+        for batch in gpt_batches():
+            twin.step(twin.model.emb(batch["ids"]))
+            cases.append((twin.step.weights, batch["ids"], batch["ids"], causal))
+    assert cases[0][0].shape == (3, 1, 9, 9)
+    assert_sums_of_float64_loop(modules["step"], cases, 12, 12)
+
+
+def test_decoder_loop_that_does_not_make_the_query_stream_is_not_read_and_named_with_its_shape(tmp_path):
+    """A loop of fewer steps than the query stream's positions cannot be matched to its tokens: skipped, named once
+    with the shape its steps made and the tokens', while the model's other attention is read."""
     monitor = AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")
     with pytest.warns(UserWarning) as caught:
         Trainer(
             default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
             callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
-        ).validate(Stepping(), DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
+        ).validate(Stepping(StepDecoder(short=1)), DataLoader(gpt_batches(), batch_size=None))  # fmt: skip
     said = [str(w.message) for w in caught if "that were not read" in str(w.message)]
-    assert len(said) == 1 and "'step': (3, 1, 9) for tokens (B, Lq, Lk) = (3, 9, 9)" in said[0], said
-    assert "one query position per call" in said[0]
+    assert len(said) == 1 and "'step': (3, 1, 8, 9) for tokens (B, Lq, Lk) = (3, 9, 9)" in said[0], said
+    assert "a decoder loop" in said[0]
     assert not [w for w in caught if "never called" in str(w.message) or "never ran" in str(w.message)]
     assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn"]
 
 
-class Additive(nn.Module):
-    """Additive (Bahdanau) attention over the whole sequence: its scores come from a Linear, not from q @ kᵀ."""
+class BahdanauAttention(nn.Module):
+    """The PyTorch seq2seq tutorial's: ``Va(tanh(Wa(query) + Ua(keys)))``, one decoder step per call."""
 
-    def __init__(self, dim=16):
+    def __init__(self, hidden):
         super().__init__()
-        self.w, self.v = nn.Linear(dim, dim), nn.Linear(dim, 1)
+        self.Wa, self.Ua, self.Va = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 1)
 
-    def forward(self, x):
-        scores = self.v(torch.tanh(self.w(x)[:, :, None] + x[:, None])).squeeze(-1)  # (B, T, T)
-        return torch.bmm(F.softmax(scores, dim=-1), x)
+    def forward(self, query, keys):  # (B, 1, H), (B, S, H)
+        scores = self.Va(torch.tanh(self.Wa(query) + self.Ua(keys)))  # (B, S, 1)
+        weights = F.softmax(scores.squeeze(2).unsqueeze(1), dim=-1)  # (B, 1, S)
+        return torch.bmm(weights, keys), weights
 
 
-def test_additive_attention_is_not_read_and_named_with_its_shape(tmp_path):
-    lit = Stepping()
-    lit.step = Additive()
-    with pytest.warns(UserWarning) as caught:
-        Trainer(
-            default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
-            callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids")], enable_progress_bar=False,
-            enable_model_summary=False,
-        ).validate(lit, DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
-    said = [str(w.message) for w in caught if "that were not read" in str(w.message)]
-    assert len(said) == 1 and "'step': (3, 9, 9) for tokens (B, Lq, Lk) = (3, 9, 9)" in said[0], said
-    assert "additive (Bahdanau) scores" in said[0]
+class Translator(LightningModule):
+    """The tutorial's GRU encoder and attention decoder, teacher-forced: step t reads target token t - 1 (BOS
+    first) and attends over the source to produce target token t."""
+
+    def __init__(self, vocab=12, hidden=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.src_emb, self.tgt_emb = nn.Embedding(vocab, hidden), nn.Embedding(vocab, hidden)
+        self.encoder, self.decoder = (
+            nn.GRU(hidden, hidden, batch_first=True),
+            nn.GRU(2 * hidden, hidden, batch_first=True),
+        )
+        self.attention, self.out = BahdanauAttention(hidden), nn.Linear(hidden, vocab)
+
+    def forward(self, src, tgt):
+        keys, hidden = self.encoder(self.src_emb(src))
+        read = torch.cat([torch.ones_like(tgt[:, :1]), tgt[:, :-1]], dim=1)  # BOS = 1
+        logits, weights = [], []
+        for t in range(tgt.size(1)):
+            context, w = self.attention(hidden.permute(1, 0, 2), keys)
+            out, hidden = self.decoder(torch.cat([self.tgt_emb(read[:, t : t + 1]), context], dim=2), hidden)
+            logits.append(self.out(out))
+            weights.append(w)
+        return torch.cat(logits, dim=1), torch.cat(weights, dim=1)[:, None]  # (B, T, V), (B, 1, T, S)
+
+    def validation_step(self, batch, batch_idx):
+        logits, _ = self(batch["src"], batch["tgt"])
+        self.log("loss", F.cross_entropy(logits.transpose(1, 2), batch["tgt"], ignore_index=0))
+
+
+def test_rnn_decoder_with_bahdanau_attention_reads_target_tokens_against_source_tokens(tmp_path):
+    """Seed 004's translation attention: the tutorial's decoder loop attends one target position per step over the
+    padded source. Its steps make one call (target → source), equal to a float64 loop over the twin's weights."""
+    g = torch.Generator().manual_seed(2)
+    batches = [
+        {"src": torch.randint(2, 12, (3, 7), generator=g), "tgt": torch.randint(2, 12, (3, 5), generator=g)}
+        for _ in range(2)
+    ]
+    batches[0]["src"][0, -2:], batches[1]["tgt"][2, -1:] = 0, 0  # padding, left out by ignore_ids
+    lit = Translator()
+    monitor = AttentionMonitor(
+        vocab_size=12, token_ids={"src": "src", "tgt": "tgt"}, attention_streams={"attention": ("tgt", "src")},
+        ignore_ids=[0], export="pt",
+    )  # fmt: skip
+    Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+    ).validate(lit, DataLoader(batches, batch_size=None), verbose=False)  # fmt: skip
+    modules = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules
+    assert list(modules) == ["attention"]
+
+    twin = lit.double()
+    with torch.no_grad():
+        cases = [
+            (twin(b["src"], b["tgt"])[1], b["tgt"], b["src"], torch.ones(3, 5, 7, dtype=torch.bool)) for b in batches
+        ]
+    assert_sums_of_float64_loop(modules["attention"], cases, 12, 12, pad=0)
 
 
 def test_capture_attention_splits_batch_major_scores_by_the_heads_the_module_or_its_caller_declares():

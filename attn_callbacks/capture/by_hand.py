@@ -4,7 +4,9 @@ Modules found by a softmax and a matrix product in their code (:func:`attn_callb
 are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch`, which hands each op they run to a
 :class:`HandReader` (one per watch, that is per batch). The reader follows the scores from the product that made them
 to the softmax, tells them from a router's or an output head's logits, and hands the softmax's output on as the
-weights the module applies, with the keys its input's mask allows. Nothing is recomputed.
+weights the module applies, with the keys its input's mask allows. Nothing is recomputed. A decoder run step by step
+(Bahdanau's or Luong's attention in an RNN decoder) attends one query position per call: its steps are gathered
+until they make the query stream's length, then handed on as one call.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class ByHand:
         expect: ``(site name, device)`` -> ``(B, Lq, Lk)``, the batch size and the query and key lengths of the
             site's token streams in the current batch (None: not known; outside Lightning).
         unread: module -> the shape of a softmax over its keys that was not read, and the expected ``(B, Lq, Lk)``:
-            over scores that do not fit ``expect``, or over as many entries as the keys that came neither from scores
-            nor from logits (additive attention).
+            over scores that do not fit ``expect`` (a decoder loop's steps that do not make its query stream: their
+            shape together), or over as many entries as the keys that came neither from scores nor from logits.
     """
 
     names: frozenset[str]
@@ -94,6 +96,8 @@ class HandReader:
         self.scores: dict[int, weakref.ref] = {}
         self.logits: dict[int, weakref.ref] = {}
         self.weights: dict[int, weakref.ref] = {}
+        # A decoder loop's steps so far, per module: their weights (B, H, 1, Lk) and the keys allowed (B, 1, Lk).
+        self.steps: dict[str, list[tuple[Tensor, Tensor]]] = {}
 
     def see(
         self,
@@ -114,7 +118,8 @@ class HandReader:
 
     def _trace(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
         """Follow attention scores through a by-hand module: a product of two batched tensors (``q @ kᵀ``: both at
-        least 3-D) makes them, and any other op keeps them (scaling, masking, a bias added in place or not, a cast, a
+        least 3-D) makes them, and so does a ``Linear`` or a product with one output (additive attention's
+        ``vᵀ tanh(W q + U k)``); any other op keeps them (scaling, masking, a bias added in place or not, a cast, a
         reshape, heads mixed by a matrix); a product with a weight matrix (``x @ W``) or a ``Linear`` of anything
         else makes logits (a router's, an output head's); a product with the weights (``w @ v``) makes neither."""
         if not isinstance(output, Tensor):
@@ -125,9 +130,10 @@ class HandReader:
         if any(_kept(self.scores, t) for t in inputs):
             kind = self.scores
         elif func in _PRODUCT_OPERANDS:
-            kind = self.scores if all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs) else self.logits
+            batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs)
+            kind = self.scores if batched or _one_output(inputs[-1], func) else self.logits
         elif func is F.linear:
-            kind = self.logits
+            kind = self.scores if _one_output(args[1] if len(args) > 1 else kwargs.get("weight"), func) else self.logits
         else:
             return
         (self.logits if kind is self.scores else self.scores).pop(id(output), None)  # an in-place op changed it
@@ -139,9 +145,11 @@ class HandReader:
         """A softmax of a module computing attention by hand, read where it is one over the last dimension of scores
         (:meth:`_trace`), ``(B, H, Lq, Lk)``, or ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)``, batch-major): its output is the
         weights the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask
-        rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). Other softmaxes are not attention (a
-        router's, a pooling's). One over scores that do not fit the site's tokens, or one over as many entries as the
-        keys that came neither from scores nor from logits (additive attention), is noted, not read."""
+        rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). One over a single query position,
+        ``(B, [H,] 1, Lk)``, where the site has more, is a decoder loop's step: kept until the steps make ``Lq``,
+        then read as one call. Other softmaxes are not attention (a router's, a pooling's). One over scores that do
+        not fit the site's tokens, or one over as many entries as the keys that came neither from scores nor from
+        logits, is noted, not read."""
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         scores = args[0] if args else kwargs.get("input")
         if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() < 2:
@@ -154,18 +162,41 @@ class HandReader:
         expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
         made = _kept(self.scores, scores)
         heads = _heads(expected, owners, weights) if made and weights.dim() >= 3 else None
-        if heads is None:
-            if expected is not None and (made or (weights.dim() >= 3 and weights.size(-1) == expected[2])):
+        step = None
+        if heads is None and made and expected is not None and expected[1] > 1 and weights.dim() >= 3:
+            step = _heads((expected[0], 1, expected[2]), owners, weights)  # one query position: a decoder's step
+        if heads is None and step is None:
+            if expected is not None and weights.dim() >= 3 and (made or weights.size(-1) == expected[2]):
                 self.by_hand.unread.setdefault(name, (tuple(weights.shape), expected))
             return
         with torch.no_grad():
             # (B, H, Lq, Lk), also from (B · H, Lq, Lk) or (B, Hk, G, Lq, Lk) (grouped-query heads in query order)
-            weights = weights.detach().reshape(-1, heads, *weights.shape[-2:])
+            weights = weights.detach().reshape(-1, heads or step, *weights.shape[-2:])
             # Over the heads' largest scores: one pass over the scores, not three (the masked keys are the same
             # unless two heads' rows lie more than BIAS_SPAN apart).
             allowed = float_mask_allows(scores.detach().reshape(weights.shape).amax(dim=1))  # (B, Lq, Lk)
+            if step is not None:
+                steps = self.steps.setdefault(name, [])
+                steps.append((weights, allowed))
+                if len(steps) < expected[1]:
+                    return
+                del self.steps[name]  # the loop's every query position: one call (B, H, Lq, Lk)
+                weights, allowed = torch.cat([w for w, _ in steps], dim=-2), torch.cat([a for _, a in steps], dim=-2)
             batch = weights.size(0)
             self.consumer(name, next_call(self.calls, name), module, weights, slice(0, batch), batch, allowed)
+
+    def finish(self) -> None:
+        """The batch has ended: a decoder loop whose steps did not make its query stream's length is noted, not
+        read (its steps cannot be matched to query positions)."""
+        for name, steps in self.steps.items():
+            weights = steps[0][0]
+            index = self.calls.get(name, 0)
+            site = name if index == 0 else f"{name}.call{index}"
+            expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
+            if expected is not None:
+                shape = (weights.size(0), weights.size(1), len(steps), weights.size(-1))
+                self.by_hand.unread.setdefault(name, (shape, expected))
+        self.steps.clear()
 
 
 def _heads(expected: tuple[int, int, int] | None, owners: Iterator[Any], weights: Tensor) -> int | None:
@@ -184,6 +215,14 @@ def _heads(expected: tuple[int, int, int] | None, owners: Iterator[Any], weights
     if weights.dim() >= 4:
         return math.prod(weights.shape[1:-2]) if weights.size(0) == batch else None
     return weights.size(0) // batch if batch and weights.size(0) % batch == 0 else None
+
+
+def _one_output(weight: Any, func: Any) -> bool:
+    """Whether a product's or a ``Linear``'s ``weight`` has one output (a vector ``v``, ``(D, 1)``; ``Linear(D, 1)``:
+    ``(1, D)``): it scores each position, as additive attention's ``vᵀ tanh(W q + U k)`` does."""
+    if not isinstance(weight, Tensor) or func is torch.einsum:
+        return False
+    return weight.dim() == 1 or (weight.dim() == 2 and weight.size(0 if func is F.linear else 1) == 1)
 
 
 def _keep(kept: dict[int, weakref.ref], tensor: Tensor) -> None:

@@ -211,7 +211,10 @@ class AttentionCapture:
             self._watch = SdpaWatch(self.watched, self._watched_call, warned=self._dropout_warned, by_hand=self.by_hand)
 
     def stop_watching(self) -> None:
-        """Stop seeing SDPA calls (a forward already running keeps the watch until it returns)."""
+        """Stop seeing SDPA calls (a forward already running keeps the watch until it returns); a decoder loop computed
+        by hand whose steps did not make a call is noted (:meth:`~attn_callbacks.capture.by_hand.HandReader.finish`)."""
+        if self._watch is not None and self._watch.by_hand is not None:
+            self._watch.by_hand.finish()
         self._watch = None
 
     def start_census(self, model: nn.Module) -> None:

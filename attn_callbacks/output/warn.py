@@ -39,11 +39,12 @@ class Warnings:
         self.once(
             f"unread:{','.join(unread)}",
             f"AttentionMonitor: module(s) found by the softmax and matrix product in their code took softmaxes over "
-            f"their keys that were not read ({said}). Attention over one query position per call (a decoder run step "
-            "by step), in blocks or windows, over learned queries or over other tokens than the batch's cannot be "
-            "matched to its tokens, (B · H, Lq, Lk) scores must be batch-major, and additive (Bahdanau) scores, which "
-            "no product of two batched tensors makes, are not read. If a module is not attention, or to silence "
-            "this, leave it out with `modules`; for other streams see `attention_streams`.",
+            f"their keys that were not read ({said}). The scores read are made by a product of two batched tensors "
+            "(q @ kᵀ) or a one-output Linear (additive attention), batch-major; a decoder loop, one query position "
+            "per call, is read when its steps in a batch make the query stream's length. Attention in blocks or "
+            "windows, over learned queries or over other tokens than the batch's cannot be matched to its tokens. If "
+            "a module is not attention, or to silence this, leave it out with `modules`; for other streams see "
+            "`attention_streams`.",
         )
 
     def silent(self, silent: list[str], batches: int, ran: Collection[str] = (), by_hand: Collection[str] = ()) -> None:
