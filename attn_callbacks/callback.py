@@ -146,14 +146,16 @@ class AttentionMonitor(MonitorOptions, Callback):
         # not attention (an output head, a router; one run in training only), or took softmaxes over the keys it
         # could not read (named apart); unless nothing at all was read.
         unread, hand = self._capture.by_hand.unread, self._capture.by_hand.hand_only
-        generated = self._capture.generated
+        ran, generated = self._capture.ran(), self._capture.generated
         silent = [name for name, count in self._capture.calls.items() if count == 0 and name not in unread]
         if len(silent) < len(self._capture.calls):
             silent = [name for name in silent if name not in hand]
-        quiet = [name for name in silent if name not in generated]  # those ran in generate() only are said below
-        self._report.warnings.silent(quiet, self._monitored_batches, self._capture.ran(), hand)
+        only_generated = [name for name in silent if name in generated and name not in ran]  # said apart
+        quiet = [name for name in silent if name not in only_generated]
+        self._report.warnings.silent(quiet, self._monitored_batches, ran, hand)
         self._report.warnings.unread(self._capture.by_hand.unread)
-        self._report.warnings.generated(generated, read=len(silent) < len(self._capture.calls))
+        outside = bool(ran) or any(self._capture.calls.values())  # some module ran outside generate()
+        self._report.warnings.generated(generated, sorted(self._capture.generators), only_generated, outside)
         try:
             if self._probe.own_batch and drift_epoch:
                 self._capture.attach()  # detached after `limit_batches`

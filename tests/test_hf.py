@@ -764,6 +764,6 @@ def test_hf_generate_in_validation_step_is_left_out_and_the_sums_equal_the_forwa
             model.generate(batch["input_ids"][:, :4], max_new_tokens=3, do_sample=False, pad_token_id=PAD)
     for handle in handles:
         handle.remove()
-    left_out = [message for message in said if "inside generate()" in message]
+    left_out = [message for message in said if "generate` in monitored batches" in message]
     assert len(left_out) == 1 and left_out[0].startswith(f"AttentionMonitor: {calls} call(s) of attention module(s)")
     assert calls > len(batches) * 3

@@ -1275,12 +1275,12 @@ def test_generate_in_validation_step_is_left_out_and_the_batchs_forward_logs_as_
     assert sorted(got) == sorted(want) and len(want) > 20
     for tag, value in want.items():
         assert got[tag] == pytest.approx(value, rel=1e-6, abs=1e-7), tag
-    said = [str(w.message) for w in caught if "inside generate()" in str(w.message)]
+    said = [str(w.message) for w in caught if "generate` in monitored batches" in str(w.message)]
     # 2 batches, 3 new tokens each, 2 layers
     assert said == [
         "AttentionMonitor: 12 call(s) of attention module(s) 'model.blocks.0.attn', 'model.blocks.1.attn' made inside "
-        "generate() in monitored batches were not read: decoding attends over cached and generated tokens that the "
-        "batch does not hold. The monitor reads the forward passes validation_step runs on the batch itself."
+        "`TinyGPT.generate` in monitored batches were not read: generation attends over cached and generated tokens "
+        "that the batch does not hold. The monitor reads the forward passes validation_step runs on the batch itself."
     ]
     assert not [w for w in caught if "never ran" in str(w.message) or "took no softmax" in str(w.message)]
 
@@ -1292,5 +1292,35 @@ def test_generate_in_validation_step_is_left_out_and_the_batchs_forward_logs_as_
         warnings.simplefilter("always")
         only.validate(Sampling(model, forward=False), DataLoader(gpt_batches(), batch_size=None), verbose=False)
     said = [str(w.message) for w in caught if "AttentionMonitor" in str(w.message)]
-    assert len(said) == 1 and "this one ran none, so nothing was seen" in said[0], said
+    assert len(said) == 1 and "it ran none outside `TinyGPT.generate`, so nothing was seen" in said[0], said
     assert scalars(only) == {}
+
+
+class DecodeOnlySdpa(nn.Module):
+    """SDPA in decoding steps only; on the whole sequence a linear attention (no softmax) the monitor cannot read."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(x.size(-1), dim=2)
+        if x.size(1) < 9:  # the prefixes generate() runs on
+            return F.scaled_dot_product_attention(q, k, v)
+        return F.elu(q) + 1 + v.cumsum(1) / (F.elu(k) + 1).cumsum(1)
+
+
+def test_module_that_read_nothing_outside_generate_keeps_its_own_warning(tmp_path):
+    """The calls generate() makes do not hide that the batch's own forward read nothing of a module."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=1)
+    model.blocks[0].attn = DecodeOnlySdpa()
+    with pytest.warns(UserWarning) as caught:
+        run_sampling = Sampling(model)
+        Trainer(
+            default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=False, enable_progress_bar=False,
+            callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids")], enable_model_summary=False,
+        ).validate(run_sampling, DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
+    said = [str(w.message) for w in caught if str(w.message).startswith("AttentionMonitor")]
+    assert any("'model.blocks.0.attn' ran in 2 monitored batch(es) but never called" in m for m in said), said
+    assert any(m.startswith("AttentionMonitor: 6 call(s)") and m.endswith("batch itself.") for m in said), said

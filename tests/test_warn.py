@@ -32,6 +32,26 @@ def test_warnings_says_why_an_epoch_has_nothing_to_log():
     assert caught(lambda: Warnings(0.1).nothing_seen(2, some_module_ran=False)) == []  # silent modules said so
 
 
+def test_warnings_on_generate_count_the_calls_and_say_what_was_not_seen():
+    """Calls left out inside ``generate`` methods: counted and named with the methods; the modules that ran nowhere
+    else are named; a step that ran nothing outside them is told that nothing was seen."""
+    calls = {"enc.0": 4, "enc.1": 4, "dec.0": 6}
+    methods = ["OwnStep.generate", "T5ForConditionalGeneration.generate"]
+    (read,) = caught(lambda: Warnings(0.1).generated(calls, methods, [], outside=True))
+    assert read.startswith(
+        "AttentionMonitor: 14 call(s) of attention module(s) 'enc.0', 'enc.1' and 1 more made inside "
+        "`OwnStep.generate` or `T5ForConditionalGeneration.generate` in monitored batches were not read"
+    )
+    assert read.endswith("runs on the batch itself.")
+    (partly,) = caught(lambda: Warnings(0.1).generated(calls, methods[1:], ["dec.0"], outside=True))
+    assert partly.endswith("; nothing was seen of 'dec.0', which ran inside it only.")
+    said = Warnings(0.1)
+    (none,) = caught(lambda: said.generated(calls, methods[:1], list(calls), outside=False))
+    assert "it ran none outside `OwnStep.generate`, so nothing was seen" in none
+    assert caught(lambda: said.generated(calls, methods[:1], [], outside=True)) == []  # once
+    assert caught(lambda: Warnings(0.1).generated({}, [], [], outside=True)) == []
+
+
 def test_warnings_name_each_collapsed_head_once_and_the_skipped_rows():
     said = Warnings(0.2)
     messages = caught(lambda: said.health("enc.0", torch.tensor([0.5, 0.1, 0.05]), skipped_rows=0))

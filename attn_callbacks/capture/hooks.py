@@ -79,7 +79,8 @@ class AttentionCapture:
             computed by hand is read only where it fits them (:class:`~attn_callbacks.capture.by_hand.ByHand`); None:
             not known (``(B · H, Lq, Lk)`` scores are then split by the ``num_heads`` their module or its caller has).
         skip_generate: leave out the calls made inside a ``generate`` method of a module (Hugging Face's
-            ``generate()``, nanoGPT's): not read, counted per module in :attr:`generated`.
+            ``generate()``, nanoGPT's): not read, counted per module in :attr:`generated` (the methods' owners
+            in :attr:`generators`).
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class AttentionCapture:
         self._depth = 0  # watched forwards running inside each other, while one entered the watch
         self.calls: dict[str, int] = dict.fromkeys(self.modules, 0)  # calls per module, until reset_calls()
         self.generated: dict[str, int] = {}  # calls per module left out inside generate(), likewise
+        self.generators: set[str] = set()  # the generate methods they were made in ("GPT2LMHeadModel.generate")
         self._forwards: set[int] = set()  # ids of the watched modules whose forward ran while watching, likewise
         # What each in-flight call asked for (None: a call left unread), pushed by the pre-hook and popped by the hook
         # (calls may nest).
@@ -140,7 +142,7 @@ class AttentionCapture:
     def reset_calls(self) -> None:
         """Start counting calls per module (:attr:`calls`, :meth:`ran`) from 0."""
         self.calls = dict.fromkeys(self.modules, 0)
-        self.generated = {}
+        self.generated, self.generators = {}, set()
         self._forwards.clear()
         self.by_hand.unread.clear()
 
@@ -276,9 +278,11 @@ class AttentionCapture:
     def _generating(self, name: str) -> bool:
         """Whether the call of module ``name`` under way is one to leave out (made inside a ``generate`` method),
         counted if so."""
-        if not self.skip_generate or not in_generate(sys._getframe(2)):
+        method = in_generate(sys._getframe(2)) if self.skip_generate else None
+        if method is None:
             return False
         self.generated[name] = self.generated.get(name, 0) + 1
+        self.generators.add(method)
         return True
 
     def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict] | None]:
@@ -387,14 +391,17 @@ class AttentionCapture:
         return None
 
 
-def in_generate(frame: types.FrameType | None) -> bool:
-    """Whether a ``generate`` method of a module (Hugging Face's ``generate()``, nanoGPT's) is on the stack from
-    ``frame`` outwards."""
+def in_generate(frame: types.FrameType | None) -> str | None:
+    """The outermost ``generate`` method of a module (Hugging Face's ``generate()``, nanoGPT's) on the stack from
+    ``frame`` outwards, as ``"{class}.generate"``; None if there is none."""
+    found = None
     while frame is not None:
-        if frame.f_code.co_name == "generate" and isinstance(frame.f_locals.get("self"), nn.Module):
-            return True
+        if frame.f_code.co_name == "generate":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module):
+                found = f"{type(owner).__name__}.generate"
         frame = frame.f_back
-    return False
+    return found
 
 
 def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:

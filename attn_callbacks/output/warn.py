@@ -105,25 +105,26 @@ class Warnings:
                 "whose calls are summed apart and can be given their own streams (`attention_streams`).",
             )
 
-    def generated(self, generated: Mapping[str, int], read: bool) -> None:
-        """Calls of attention modules (name -> calls) made inside a ``generate`` method, left out; ``read``: whether
-        any call outside one was read."""
+    def generated(self, generated: Mapping[str, int], methods: list[str], only: list[str], outside: bool) -> None:
+        """Calls of attention modules (name -> calls) made inside ``generate`` ``methods``, left out; ``only``: the
+        modules that ran there only; ``outside``: whether any module ran outside them."""
         if not generated:
             return
-        names = list(generated)
-        which = ", ".join(map(repr, names[:2])) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+        where = " or ".join(f"`{method}`" for method in methods)
+        end = "."
+        if not outside:
+            end = (
+                f", and it ran none outside {where}, so nothing was seen: run the model on the batch outside any "
+                "method named `generate` (the forward that gives the validation loss)."
+            )
+        elif only:
+            end = f"; nothing was seen of {_names(only)}, which ran inside it only."
         self.once(
             "generate",
-            f"AttentionMonitor: {sum(generated.values())} call(s) of attention module(s) {which} made inside "
-            "generate() in monitored batches were not read: decoding attends over cached and generated tokens "
-            "that the batch does not hold. The monitor reads the forward passes validation_step runs on the batch "
-            "itself"
-            + (
-                "."
-                if read
-                else ", and this one ran none, so nothing was seen: run the model on the batch too (the forward "
-                "that gives the validation loss)."
-            ),
+            f"AttentionMonitor: {sum(generated.values())} call(s) of attention module(s) {_names(list(generated))} "
+            f"made inside {where} in monitored batches were not read: generation attends over cached and generated "
+            "tokens that the batch does not hold. The monitor reads the forward passes validation_step runs on the "
+            f"batch itself{end}",
         )
 
     def unseen_sdpa(self, unseen: dict[str, str]) -> None:
@@ -235,3 +236,8 @@ class Warnings:
             f"AttentionMonitor: the Attention tab's folder for view {view!r} would be a name longer than 255 bytes, "
             "which file systems refuse; it is left out of the tab (a shorter `prefix`, or `explorer=False`)",
         )
+
+
+def _names(names: list[str]) -> str:
+    """The first two ``names`` quoted, and how many more."""
+    return ", ".join(map(repr, names[:2])) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
