@@ -5,11 +5,13 @@ cross-attention (target word x source word) should sharpen into the dictionary, 
 offline on CPU in about a minute:
 
     python examples/toy_translation.py            # then: tensorboard --logdir runs
+    python examples/toy_translation.py --model rnn  # a GRU decoder with Bahdanau attention, one step per word
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 import warnings
 from pathlib import Path
@@ -20,6 +22,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing import event_accumulator
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
@@ -145,14 +148,57 @@ class ToyTranslator(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class BahdanauAttention(nn.Module):
+    """Additive attention (Bahdanau et al., 2015): ``score(q, k) = v · tanh(W q + U k)``, one decoder step per call."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.query, self.key, self.score = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 1)
+
+    def forward(self, query: Tensor, keys: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:
+        """The context ``(B, 1, H)`` and weights ``(B, 1, S)`` of a query ``(B, 1, H)`` over keys ``(B, S, H)``."""
+        scores = self.score(torch.tanh(self.query(query) + self.key(keys))).squeeze(2).unsqueeze(1)  # (B, 1, S)
+        weights = F.softmax(scores.masked_fill(pad[:, None], -math.inf), dim=-1)
+        return torch.bmm(weights, keys), weights
+
+
+class RnnTranslator(ToyTranslator):
+    """The classic attention model: a bidirectional GRU encoder, and a GRU decoder that attends over the source
+    once per target word (the monitor gathers a batch's steps into one target x source call)."""
+
+    def __init__(self, src_vocab: int, tgt_vocab: int, d_model: int = 64, lr: float = 3e-3) -> None:
+        LightningModule.__init__(self)
+        self.lr = lr
+        self.src_embed = nn.Embedding(src_vocab, d_model, padding_idx=PAD)
+        self.tgt_embed = nn.Embedding(tgt_vocab, d_model, padding_idx=PAD)
+        self.encoder = nn.GRU(d_model, d_model // 2, batch_first=True, bidirectional=True)
+        self.decoder = nn.GRU(2 * d_model, d_model, batch_first=True)
+        self.attention = BahdanauAttention(d_model)  # named "attention" in the tags
+        self.out = nn.Linear(2 * d_model, tgt_vocab)
+        self.loss = nn.CrossEntropyLoss(ignore_index=PAD)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        keys, _ = self.encoder(self.src_embed(src))  # (B, S, H)
+        hidden = keys.new_zeros(1, src.shape[0], keys.shape[-1])
+        logits = []
+        for t in range(tgt_in.shape[1]):  # teacher forcing: step t reads tgt_in[t] and emits tgt_out[t]
+            out, hidden = self.decoder(torch.cat([self.tgt_embed(tgt_in[:, t : t + 1]), hidden.transpose(0, 1)], -1))
+            context, _ = self.attention(out, keys, src == PAD)
+            logits.append(self.out(torch.cat([out, context], dim=-1)))
+        return torch.cat(logits, dim=1)
+
+
 # --------------------------------------------------------------------------------------------------------- the check
 @torch.no_grad()
 def dictionary_alignment(model: ToyTranslator, batch: dict[str, Tensor]) -> dict[str, tuple[float, float]]:
     """Per cross-attention module: (head-averaged weight on the source word that translates to the emitted target
     word, the same for uniform attention over the source words), averaged over the target words of ``batch``."""
     model.eval()
-    with capture_attention(model, ["*multihead_attn"]) as weights:
+    rnn = isinstance(model, RnnTranslator)
+    with capture_attention(model, ["attention" if rnn else "*multihead_attn"]) as weights:
         model(batch["src"], batch["tgt_in"])
+    if rnn:  # one call per target position: attention, attention.call1, ... -> (B, 1, T, S)
+        weights = {"attention": [torch.cat([calls[0] for calls in weights.values()], dim=-2)]}
     src, tgt_out = batch["src"], batch["tgt_out"]
     wanted = TGT_TO_SRC[tgt_out]  # (B, T): the source word id each position must look up; -1 for eos and pad
     correct = (src[:, None, :] == wanted[:, :, None]) & (wanted[:, :, None] > 0)  # (B, T, S)
@@ -170,7 +216,8 @@ def main() -> None:
     parser.add_argument("--logdir", default="runs", help="TensorBoard root directory")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=None, help="default: 1e-3 (transformer), 3e-3 (rnn)")
+    parser.add_argument("--model", choices=["transformer", "rnn"], default="transformer")
     args = parser.parse_args()
     start = time.perf_counter()
     torch.set_num_threads(2)
@@ -182,22 +229,27 @@ def main() -> None:
     train = DataLoader(make_pairs(TRAIN_SIZE, generator), batch_size=64, shuffle=True, collate_fn=collate)
     val_pairs = make_pairs(VAL_SIZE, generator)
     val = DataLoader(val_pairs, batch_size=128, collate_fn=collate)
-    model = ToyTranslator(len(SRC_VOCAB), len(TGT_VOCAB), lr=args.lr)
+    model_class = RnnTranslator if args.model == "rnn" else ToyTranslator
+    lr = {} if args.lr is None else {"lr": args.lr}
+    model = model_class(len(SRC_VOCAB), len(TGT_VOCAB), **lr)
+    streams = {
+        "transformer.encoder.*": ("src", "src"),
+        "*decoder*self_attn": ("tgt_in", "tgt_in"),
+        # Cross-attention queries are labelled by the token each decoder position *emits* (tgt_out), not the one it
+        # reads (tgt_in): the position holding tgt_in[i] has to look up the source word that translates to
+        # tgt_out[i]. Labelled that way, the (target word x source word) map should sharpen into the dictionary, one
+        # bright cell per row; labelled by tgt_in it would show each word attending to its neighbour's source.
+        "*multihead_attn": ("tgt_out", "src"),
+    }
+    if args.model == "rnn":
+        streams = {"attention": ("tgt_out", "src")}  # step t of the decoder loop is target position t
 
     monitor = AttentionMonitor(
         vocab_size={"src": len(SRC_VOCAB), "tgt_in": len(TGT_VOCAB), "tgt_out": len(TGT_VOCAB)},
         token_ids={"src": "src", "tgt_in": "tgt_in", "tgt_out": "tgt_out"},
         id_to_token={"src": SRC_VOCAB, "tgt_in": TGT_VOCAB, "tgt_out": TGT_VOCAB},
         ignore_ids=[PAD],
-        attention_streams={
-            "transformer.encoder.*": ("src", "src"),
-            "*decoder*self_attn": ("tgt_in", "tgt_in"),
-            # Cross-attention queries are labelled by the token each decoder position *emits* (tgt_out), not the one
-            # it reads (tgt_in): the position holding tgt_in[i] has to look up the source word that translates to
-            # tgt_out[i]. Labelled that way, the (target word x source word) map should sharpen into the dictionary,
-            # one bright cell per row; labelled by tgt_in it would show each word attending to its neighbour's source.
-            "*multihead_attn": ("tgt_out", "src"),
-        },
+        attention_streams=streams,
         sink_ids={"tgt_in": [BOS]},  # how much decoder self-attention parks on <bos>
         probe="first",  # one fixed validation sentence, drawn every epoch (the loader below does not shuffle)
         export="pt",  # raw sums per epoch, for `python -m attn_callbacks compare`

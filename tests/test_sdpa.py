@@ -618,6 +618,47 @@ def test_nanogpt_example_runs_offline_and_shows_previous_byte_heads_forming(tmp_
     assert entropy[-1] < entropy[0] - 0.5, entropy  # and it sharpened
 
 
+def test_toy_translation_rnn_example_reads_its_decoder_steps_as_target_by_source_attention(tmp_path):
+    """The example's GRU decoder attends once per target word: its steps are read as one target x source call per
+    batch (every emitted word counted once, rows summing to 1 over the source words), which learns the dictionary."""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, str(root / "examples" / "toy_translation.py"), "--model", "rnn", "--logdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    sys.path.insert(0, str(root / "examples"))
+    try:
+        import toy_translation as toy
+    finally:
+        sys.path.remove(str(root / "examples"))
+    val = toy.collate(toy.make_pairs(toy.VAL_SIZE, _after_train(toy)))
+    exports = sorted((tmp_path / "toy_translation" / "version_0" / "attention_epochs").glob("*.pt"))
+    assert len(exports) == 5
+    first, last = (load_epoch(path).modules["attention"] for path in (exports[0], exports[-1]))
+    words = val["tgt_out"][val["tgt_out"] != toy.PAD]
+    assert torch.equal(last.query_count.long(), torch.bincount(words, minlength=len(toy.TGT_VOCAB)))
+    rows = last.attention_sum[0].sum(dim=-1)  # (Vq,): one per query token seen
+    torch.testing.assert_close(rows, last.query_count.float(), rtol=1e-5, atol=1e-4)
+    dictionary = [(int(t), int(s)) for t, s in enumerate(toy.TGT_TO_SRC) if s > 0]
+
+    def share(stats):  # of the emitted words' attention, on the source word they translate
+        mass = sum(float(stats.attention_sum[0, t, s]) for t, s in dictionary)
+        return mass / float(sum(stats.query_count[t] for t, _ in dictionary))
+
+    assert share(first) < 0.5 < share(last), (share(first), share(last))
+    assert "cross-attention on the dictionary word" in result.stdout
+
+
+def _after_train(toy):
+    """The example's generator after it drew the training pairs: the validation pairs come next."""
+    generator = torch.Generator().manual_seed(0)
+    toy.make_pairs(toy.TRAIN_SIZE, generator)
+    return generator
+
+
 class TwoCalls(nn.Module):
     """Attends twice per forward: causal, then bidirectional."""
 
