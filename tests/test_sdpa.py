@@ -839,6 +839,9 @@ class Tutorial(nn.Module):
         elif self.style == "einsum":
             sim = torch.einsum("bhid,bhjd->bhij", q, k) * scale
             att = self.attend(sim.masked_fill(future, torch.finfo(sim.dtype).min))
+        elif self.style == "bqhk":  # queries before heads, as some JAX ports lay scores out
+            sim = torch.einsum("bqhd,bkhd->bqhk", q.transpose(1, 2), k.transpose(1, 2)) * scale  # (B, T, H, T)
+            att = sim.masked_fill(future[:, None], -math.inf).softmax(dim=-1).transpose(1, 2)
         elif self.style == "karpathy":
             q, k = q[:, 0], k[:, 0]  # (B, T, C)
             att = torch.softmax((q @ k.transpose(-2, -1) * scale).masked_fill(future, -math.inf), -1)[:, None]
@@ -864,7 +867,7 @@ class HandGPT(LightningModule):
         self.outputs.append(self.model(batch["ids"]))
 
 
-@pytest.mark.parametrize("style", ["mingpt", "annotated", "einsum", "karpathy", "d2l"])
+@pytest.mark.parametrize("style", ["mingpt", "annotated", "einsum", "bqhk", "karpathy", "d2l"])
 def test_attention_computed_by_hand_is_read_from_its_softmax_as_a_float64_loop_outputs_untouched(tmp_path, style):
     """The softmax's output is the weights, its input's masked scores the keys allowed: S, C, Q, U and the position
     sums equal a float64 loop over the float64 twin's weights with the causal mask, U counting the allowed keys whose
@@ -1199,6 +1202,25 @@ def test_rnn_decoder_with_bahdanau_attention_reads_target_tokens_against_source_
             (twin(b["src"], b["tgt"])[1], b["tgt"], b["src"], torch.ones(3, 5, 7, dtype=torch.bool)) for b in batches
         ]
     assert_sums_of_float64_loop(modules["attention"], cases, 12, 12, pad=0)
+
+
+def test_scores_laid_out_queries_before_heads_are_read_with_their_queries_where_heads_equal_queries():
+    """``einsum("bqhd,bkhd->bqhk")`` scores, as many heads as queries: the equation says which axis holds the
+    queries, so the weights are not read with heads and queries swapped; through scaling and masking too."""
+
+    class QueriesFirst(nn.Module):
+        def forward(self, q, k):  # (B, T, H, E)
+            sim = torch.einsum("...qhd,...khd->...qhk", q, k) / 2  # (B, T, H, T)
+            return (sim - 1e9 * torch.ones(3, 3).triu(1)[:, None]).softmax(dim=-1)
+
+    q, k = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 4)
+    model = nn.Sequential(QueriesFirst())
+    with torch.no_grad(), capture_attention(model) as weights:
+        model[0](q, k)
+    [read] = weights["0"]
+    scores = (q.double().transpose(1, 2) @ k.double().permute(0, 2, 3, 1)) / 2  # (B, H, T, T)
+    want = scores.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), -math.inf).softmax(dim=-1)
+    torch.testing.assert_close(read.double(), want)
 
 
 def test_capture_attention_splits_batch_major_scores_by_the_heads_the_module_or_its_caller_declares():

@@ -96,6 +96,8 @@ class HandReader:
         self.scores: dict[int, weakref.ref] = {}
         self.logits: dict[int, weakref.ref] = {}
         self.weights: dict[int, weakref.ref] = {}
+        # Scores whose queries are not their next-to-last axis (einsum "bqhd,bkhd->bqhk"): that axis, by id.
+        self.query_axis: dict[int, int] = {}
         # A decoder loop's steps so far, per module: their weights (B, H, 1, Lk) and the keys allowed (B, 1, Lk).
         self.steps: dict[str, list[tuple[Tensor, Tensor]]] = {}
 
@@ -127,8 +129,12 @@ class HandReader:
         inputs = list(_PRODUCT_OPERANDS[func](args)) if func in _PRODUCT_OPERANDS else list(_tensors(args, kwargs))
         if any(_kept(self.weights, t) for t in inputs):
             return
-        if any(_kept(self.scores, t) for t in inputs):
+        made = next((t for t in inputs if _kept(self.scores, t)), None)
+        axis = None  # where the queries of scores laid out otherwise lie
+        if made is not None:
             kind = self.scores
+            if output.shape == made.shape:  # scaled, masked: laid out as before
+                axis = self.query_axis.get(id(made))
         elif func in _PRODUCT_OPERANDS:
             batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs)
             kind = self.scores if batched or _one_output(inputs[-1], func) else self.logits
@@ -137,7 +143,12 @@ class HandReader:
         else:
             return
         (self.logits if kind is self.scores else self.scores).pop(id(output), None)  # an in-place op changed it
-        _keep(kind, output)
+        if func is torch.einsum and kind is self.scores and made is None:
+            axis = _einsum_query_axis(args[0])
+        self.query_axis.pop(id(output), None)
+        _keep(kind, output, self.query_axis)
+        if axis is not None:
+            self.query_axis[id(output)] = axis
 
     def _read_softmax(
         self, name: str, module: nn.Module, owners: Iterator[Any], args: tuple, kwargs: dict, weights: Any
@@ -161,6 +172,8 @@ class HandReader:
         site = name if index == 0 else f"{name}.call{index}"
         expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
         made = _kept(self.scores, scores)
+        if made and id(scores) in self.query_axis:  # (B, Lq, H, Lk) -> (B, H, Lq, Lk)
+            weights, scores = (t.movedim(self.query_axis[id(scores)], -2) for t in (weights, scores))
         heads = _heads(expected, owners, weights) if made and weights.dim() >= 3 else None
         step = None
         if heads is None and made and expected is not None and expected[1] > 1 and weights.dim() >= 3:
@@ -225,10 +238,32 @@ def _one_output(weight: Any, func: Any) -> bool:
     return weight.dim() == 1 or (weight.dim() == 2 and weight.size(0 if func is F.linear else 1) == 1)
 
 
-def _keep(kept: dict[int, weakref.ref], tensor: Tensor) -> None:
-    """Keep ``tensor`` in ``kept`` by its id until it is freed (a long ``capture_attention`` block frees many)."""
+def _einsum_query_axis(equation: Any) -> int | None:
+    """The axis of the queries in the output of scores made by ``einsum(equation, q, k)``, counted from the end, where
+    it is not the next-to-last (``"bqhd,bkhd->bqhk"``: -3) while the keys are last; None otherwise. Queries: the
+    output's letter that only ``q`` has; keys: the one that only ``k`` has."""
+    if not isinstance(equation, str) or "->" not in equation:
+        return None
+    operands, output = equation.replace(" ", "").replace("...", "").split("->")
+    first, _, second = operands.partition(",")
+    queries = [c for c in output if c in first and c not in second]
+    keys = [c for c in output if c in second and c not in first]
+    if len(queries) != 1 or keys != [output[-1:]] or output[-2:-1] == queries[0]:
+        return None
+    return output.index(queries[0]) - len(output)
+
+
+def _keep(kept: dict[int, weakref.ref], tensor: Tensor, *also: dict[int, Any]) -> None:
+    """Keep ``tensor`` in ``kept`` by its id until it is freed (a long ``capture_attention`` block frees many), and
+    then drop what ``also`` holds under that id."""
     key = id(tensor)
-    kept[key] = weakref.ref(tensor, lambda _, key=key: kept.pop(key, None))
+
+    def freed(_: Any, key: int = key) -> None:
+        kept.pop(key, None)
+        for other in also:
+            other.pop(key, None)
+
+    kept[key] = weakref.ref(tensor, freed)
 
 
 def _kept(kept: Mapping[int, weakref.ref], tensor: Any) -> bool:
