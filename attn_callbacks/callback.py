@@ -126,6 +126,7 @@ class AttentionMonitor(MonitorOptions, Callback):
     @override
     def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:  # (trainer, pl_module, outputs, batch, ...)
         if self._capture is not None:
+            self._capture.finish_batch()
             self._capture.stop_watching()
             # A hooked module's calls add into its one set of sums; an SDPA call after the first is summed apart.
             for name, count in self._capture.calls.items():
@@ -160,7 +161,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             if self._probe.own_batch and drift_epoch:
                 self._capture.attach()  # detached after `limit_batches`
                 with self._capture.watching():
-                    self._probe.run(pl_module, self._streams)
+                    self._probe.run(pl_module, self._streams, self._capture.finish_batch)
         finally:
             self._release()
         if self._capture.watched:  # processes may have seen different SDPA calls: agree first (a collective)

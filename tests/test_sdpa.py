@@ -16,7 +16,7 @@ from _reference import ACCELERATOR, naive_accumulate, naive_position_sums, naive
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, EventAccumulator
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as sdpa_alias
 from torch.utils.data import DataLoader
@@ -1006,6 +1006,17 @@ class AttendThenRoute(Router):
         return F.softmax(x @ self.w_gate, dim=-1)
 
 
+class GatedRouter(Router):
+    """A one-output gate on the hidden states, then a router as wide as the sequence: neither is attention."""
+
+    def __init__(self, dim=16, experts=9):
+        super().__init__(dim, experts)
+        self.gate = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return F.softmax((torch.sigmoid(self.gate(x)) * x) @ self.w_gate, dim=-1)
+
+
 class WithHeads(LightningModule):
     """Attention by hand beside modules that take a softmax and a product but make no attention scores."""
 
@@ -1016,11 +1027,12 @@ class WithHeads(LightningModule):
         self.model.blocks[0].attn = Tutorial("mingpt")
         self.router, self.pool, self.tied = Router(), Pooling(), TiedHead(nn.Embedding(9, 16))
         self.moe, self.route, self.unused = Experts(), AttendThenRoute(), TiedHead(nn.Embedding(9, 16))
+        self.gated = GatedRouter()
 
     def validation_step(self, batch, batch_idx):
         x = self.model.emb(batch["ids"])
         self.model(batch["ids"])
-        self.router(x), self.pool(x), self.tied(x), self.moe(x)
+        self.router(x), self.pool(x), self.tied(x), self.moe(x), self.gated(x)
         self.outputs = self.route(x), x
 
 
@@ -1037,7 +1049,7 @@ def test_modules_taking_a_softmax_and_a_product_but_no_attention_scores_are_neit
             default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
             callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
         ).validate(WithHeads(), DataLoader(batches, batch_size=None), verbose=False)  # fmt: skip
-    found = {"model.blocks.0.attn", "router", "pool", "tied", "moe", "route", "unused"}
+    found = {"model.blocks.0.attn", "router", "pool", "tied", "moe", "route", "unused", "gated"}
     assert set(find_attention_modules(WithHeads())) == found
     assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn", "route"]
     assert [str(w.message) for w in caught if any(f"'{name}" in str(w.message) for name in found)] == []
@@ -1045,19 +1057,24 @@ def test_modules_taking_a_softmax_and_a_product_but_no_attention_scores_are_neit
 
 class StepDecoder(nn.Module):
     """Dot-product (Luong) attention, one query position per call, as a decoder loop takes it; causal, ``-inf``
-    masked. Keeps its weights ``(B, 1, T, T)`` for the float64 reference."""
+    masked. Keeps its weights ``(B, 1, T, T)`` for the float64 reference. ``steps``: the loop's steps where not
+    ``T`` (step ``t`` at position ``t % T``); ``halve``: halve the weights in place after the softmax."""
 
-    def __init__(self, dim=16, short=0):
+    def __init__(self, dim=16, steps=None, halve=False):
         super().__init__()
-        self.q, self.short = nn.Linear(dim, dim), short
+        self.q, self.steps, self.halve = nn.Linear(dim, dim), steps, halve
 
     def forward(self, x):
         out, weights = [], []
-        for t in range(x.size(1) - self.short):
+        for step in range(self.steps or x.size(1)):
+            t = step % x.size(1)
             scores = torch.bmm(self.q(x[:, t : t + 1]), x.transpose(1, 2))  # (B, 1, T)
             scores[:, :, t + 1 :] = -math.inf
-            weights.append(F.softmax(scores, dim=-1))
-            out.append(torch.bmm(weights[-1], x))
+            w = F.softmax(scores, dim=-1)
+            weights.append(w.clone() if self.halve else w)
+            if self.halve:
+                w.mul_(0.5)
+            out.append(torch.bmm(w, x))
         self.weights = torch.cat(weights, dim=1)[:, None]
         return torch.cat(out, dim=1)
 
@@ -1066,13 +1083,18 @@ class Additive(nn.Module):
     """d2l's additive attention over the whole sequence, ``vᵀ tanh(W q + U k)`` (B, T, T), its causal mask written
     in place as d2l's ``masked_softmax`` does (-1e6)."""
 
-    def __init__(self, dim=16):
+    def __init__(self, dim=16, einsum=False):
         super().__init__()
         self.w_q, self.w_k, self.w_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, 1, bias=False)
+        self.einsum = einsum
 
     def forward(self, x):
         t = x.size(1)
-        scores = self.w_v(torch.tanh(self.w_q(x)[:, :, None] + self.w_k(x)[:, None])).squeeze(-1)  # (B, T, T)
+        features = torch.tanh(self.w_q(x)[:, :, None] + self.w_k(x)[:, None])  # (B, T, T, D)
+        if self.einsum:
+            scores = torch.einsum("bqkd,d->bqk", features, self.w_v.weight[0])
+        else:
+            scores = self.w_v(features).squeeze(-1)  # (B, T, T)
         flat = scores.reshape(-1, t)  # (B · T, T)
         flat[torch.ones(t, t, dtype=torch.bool).triu(1).repeat(x.size(0), 1)] = -1e6
         self.weights = F.softmax(flat.reshape(scores.shape), dim=-1)[:, None]
@@ -1091,10 +1113,15 @@ class Stepping(LightningModule):
         self.model(batch["ids"])
 
 
-@pytest.mark.parametrize("step", [StepDecoder, Additive])
+@pytest.mark.parametrize(
+    "step",
+    [StepDecoder, functools.partial(StepDecoder, halve=True), Additive, functools.partial(Additive, einsum=True)],
+    ids=["loop", "loop-changed-in-place", "additive", "additive-einsum"],
+)
 def test_decoder_loop_and_additive_attention_are_read_as_a_float64_loop(tmp_path, step):
-    """A decoder loop's steps, one query position per call, make one call over the query stream; additive scores
-    (a one-output Linear) are scores: S, C, Q, U and the position sums equal a float64 loop over the float64 twin's
+    """A decoder loop's steps, one query position per call, make one call over the query stream (as the softmax
+    gave them, whatever the model does with them in place later); additive scores (a one-output Linear, an einsum
+    with a vector) are scores: S, C, Q, U and the position sums equal a float64 loop over the float64 twin's
     weights."""
     lit = Stepping(step())
     Trainer(
@@ -1103,7 +1130,7 @@ def test_decoder_loop_and_additive_attention_are_read_as_a_float64_loop(tmp_path
         enable_model_summary=False,
     ).validate(lit, DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
     modules = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules
-    assert list(modules) == ["step", "model.blocks.0.attn"]
+    assert sorted(modules) == ["model.blocks.0.attn", "step"]
 
     twin = lit.double()
     causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(3, 9, 9)
@@ -1116,17 +1143,49 @@ def test_decoder_loop_and_additive_attention_are_read_as_a_float64_loop(tmp_path
     assert_sums_of_float64_loop(modules["step"], cases, 12, 12)
 
 
-def test_decoder_loop_that_does_not_make_the_query_stream_is_not_read_and_named_with_its_shape(tmp_path):
-    """A loop of fewer steps than the query stream's positions cannot be matched to its tokens: skipped, named once
-    with the shape its steps made and the tokens', while the model's other attention is read."""
+def test_decoder_loop_run_on_a_probe_batch_of_ones_own_is_drawn(tmp_path):
+    """A probe batch of one's own runs at the epoch end: its loop's steps are read before that batch ends."""
+    batch = gpt_batches()[0]
+    monitor = AttentionMonitor(
+        vocab_size=12, token_ids="ids", probe={"ids": batch["ids"][:1]},
+        probe_forward=lambda lit, probe: lit.step(lit.model.emb(probe["ids"])),
+    )  # fmt: skip
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.validate(Stepping(), DataLoader(gpt_batches(), batch_size=None), verbose=False)
+    events = EventAccumulator(trainer.logger.log_dir, size_guidance={IMAGES: 0})
+    events.Reload()
+    assert "attention_probe/step/sample_0" in events.Tags()["images"]
+
+
+class Beams(StepDecoder):
+    """A beam search of width 2 after its first step: the rows change from B to 2 · B."""
+
+    def forward(self, x):
+        for t in range(x.size(1)):
+            rows = x if t == 0 else x.repeat_interleave(2, dim=0)
+            F.softmax(torch.bmm(self.q(rows[:, t : t + 1]), rows.transpose(1, 2)), dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("step", "shape"),
+    [(StepDecoder(steps=8), (3, 1, 8, 9)), (StepDecoder(steps=18), (3, 1, 18, 9)), (Beams(), (3, 1, 9, 9))],
+    ids=["short", "twice-the-stream", "beam-rows"],
+)
+def test_decoder_loop_that_does_not_make_the_query_stream_is_not_read_and_named_with_its_shape(tmp_path, step, shape):
+    """A loop of another length than the query stream's (a step short; a MAX_LENGTH loop twice as long, or a module
+    called twice per step), or whose rows change (a beam search), cannot be matched to its tokens: skipped, named
+    once with the shape its steps made and the tokens', while the model's other attention is read."""
     monitor = AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")
     with pytest.warns(UserWarning) as caught:
         Trainer(
             default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
             callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
-        ).validate(Stepping(StepDecoder(short=1)), DataLoader(gpt_batches(), batch_size=None))  # fmt: skip
+        ).validate(Stepping(step), DataLoader(gpt_batches(), batch_size=None))  # fmt: skip
     said = [str(w.message) for w in caught if "that were not read" in str(w.message)]
-    assert len(said) == 1 and "'step': (3, 1, 8, 9) for tokens (B, Lq, Lk) = (3, 9, 9)" in said[0], said
+    assert len(said) == 1 and f"'step': {shape} for tokens (B, Lq, Lk) = (3, 9, 9)" in said[0], said
     assert "a decoder loop" in said[0]
     assert not [w for w in caught if "never called" in str(w.message) or "never ran" in str(w.message)]
     assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn"]

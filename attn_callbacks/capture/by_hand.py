@@ -6,7 +6,7 @@ are watched by :class:`attn_callbacks.capture.sdpa.SdpaWatch`, which hands each 
 to the softmax, tells them from a router's or an output head's logits, and hands the softmax's output on as the
 weights the module applies, with the keys its input's mask allows. Nothing is recomputed. A decoder run step by step
 (Bahdanau's or Luong's attention in an RNN decoder) attends one query position per call: its steps are gathered
-until they make the query stream's length, then handed on as one call.
+over the batch and handed on as one call where they make the query stream's length.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ class HandReader:
         self.weights: dict[int, weakref.ref] = {}
         # Scores whose queries are not their next-to-last axis (einsum "bqhd,bkhd->bqhk"): that axis, by id.
         self.query_axis: dict[int, int] = {}
-        # A decoder loop's steps so far, per module: their weights (B, H, 1, Lk) and the keys allowed (B, 1, Lk).
-        self.steps: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        # A decoder loop's steps in this batch, per module: the module, and each step's weights (B, H, 1, Lk) (a copy:
+        # the model may change its own in place later) and the keys allowed (B, 1, Lk).
+        self.steps: dict[str, tuple[nn.Module, list[tuple[Tensor, Tensor]]]] = {}
 
     def see(
         self,
@@ -132,14 +133,18 @@ class HandReader:
         made = next((t for t in inputs if _kept(self.scores, t)), None)
         axis = None  # where the queries of scores laid out otherwise lie
         if made is not None:
+            if output.numel() > made.numel():  # broadcast over more (a one-output gate times the hidden states)
+                return
             kind = self.scores
             if output.shape == made.shape:  # scaled, masked: laid out as before
                 axis = self.query_axis.get(id(made))
         elif func in _PRODUCT_OPERANDS:
             batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs)
-            kind = self.scores if batched or _one_output(inputs[-1], func) else self.logits
+            kind = self.scores if batched or _one_output(inputs, func) else self.logits
         elif func is F.linear:
-            kind = self.scores if _one_output(args[1] if len(args) > 1 else kwargs.get("weight"), func) else self.logits
+            kind = (
+                self.scores if _one_output([args[1] if len(args) > 1 else kwargs.get("weight")], func) else self.logits
+            )
         else:
             return
         (self.logits if kind is self.scores else self.scores).pop(id(output), None)  # an in-place op changed it
@@ -157,10 +162,9 @@ class HandReader:
         (:meth:`_trace`), ``(B, H, Lq, Lk)``, or ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)``, batch-major): its output is the
         weights the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask
         rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). One over a single query position,
-        ``(B, [H,] 1, Lk)``, where the site has more, is a decoder loop's step: kept until the steps make ``Lq``,
-        then read as one call. Other softmaxes are not attention (a router's, a pooling's). One over scores that do
-        not fit the site's tokens, or one over as many entries as the keys that came neither from scores nor from
-        logits, is noted, not read."""
+        ``(B, [H,] 1, Lk)``, where the site has more, is a decoder loop's step: kept for :meth:`finish`. Other
+        softmaxes are not attention (a router's, a pooling's). One over scores that do not fit the site's tokens, or
+        one over as many entries as the keys that came neither from scores nor from logits, is noted, not read."""
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         scores = args[0] if args else kwargs.get("input")
         if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() < 2:
@@ -189,27 +193,30 @@ class HandReader:
             # unless two heads' rows lie more than BIAS_SPAN apart).
             allowed = float_mask_allows(scores.detach().reshape(weights.shape).amax(dim=1))  # (B, Lq, Lk)
             if step is not None:
-                steps = self.steps.setdefault(name, [])
-                steps.append((weights, allowed))
-                if len(steps) < expected[1]:
-                    return
-                del self.steps[name]  # the loop's every query position: one call (B, H, Lq, Lk)
-                weights, allowed = torch.cat([w for w, _ in steps], dim=-2), torch.cat([a for _, a in steps], dim=-2)
+                self.steps.setdefault(name, (module, []))[1].append((weights.clone(), allowed))
+                return
             batch = weights.size(0)
             self.consumer(name, next_call(self.calls, name), module, weights, slice(0, batch), batch, allowed)
 
     def finish(self) -> None:
-        """The batch has ended: a decoder loop whose steps did not make its query stream's length is noted, not
-        read (its steps cannot be matched to query positions)."""
-        for name, steps in self.steps.items():
-            weights = steps[0][0]
+        """The batch's model has run: a decoder loop's steps that make its query stream's length, all of one shape,
+        are read as one call, step ``t`` as query position ``t``; others (a loop of another length, two loops, a
+        module shared by two layers of the loop, rows that change as a beam search's do) are noted, not read."""
+        steps, self.steps = self.steps, {}
+        for name, (module, kept) in steps.items():
+            weights = kept[0][0]
             index = self.calls.get(name, 0)
-            site = name if index == 0 else f"{name}.call{index}"
-            expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
-            if expected is not None:
-                shape = (weights.size(0), weights.size(1), len(steps), weights.size(-1))
+            expected = self.by_hand.expect(name if index == 0 else f"{name}.call{index}", weights.device)
+            if expected is None:
+                continue
+            if len(kept) != expected[1] or any(w.shape != weights.shape for w, _ in kept):
+                shape = (weights.size(0), weights.size(1), len(kept), weights.size(-1))
                 self.by_hand.unread.setdefault(name, (shape, expected))
-        self.steps.clear()
+                continue
+            # (B, H, Lq, Lk) and (B, Lq, Lk)
+            weights, allowed = torch.cat([w for w, _ in kept], dim=-2), torch.cat([a for _, a in kept], dim=-2)
+            batch = weights.size(0)
+            self.consumer(name, next_call(self.calls, name), module, weights, slice(0, batch), batch, allowed)
 
 
 def _heads(expected: tuple[int, int, int] | None, owners: Iterator[Any], weights: Tensor) -> int | None:
@@ -230,10 +237,14 @@ def _heads(expected: tuple[int, int, int] | None, owners: Iterator[Any], weights
     return weights.size(0) // batch if batch and weights.size(0) % batch == 0 else None
 
 
-def _one_output(weight: Any, func: Any) -> bool:
-    """Whether a product's or a ``Linear``'s ``weight`` has one output (a vector ``v``, ``(D, 1)``; ``Linear(D, 1)``:
-    ``(1, D)``): it scores each position, as additive attention's ``vᵀ tanh(W q + U k)`` does."""
-    if not isinstance(weight, Tensor) or func is torch.einsum:
+def _one_output(operands: list[Any], func: Any) -> bool:
+    """Whether a product's or a ``Linear``'s weight (the last of ``operands``; any, for an ``einsum``) has one output
+    (a vector ``v``, ``(D, 1)``; ``Linear(D, 1)``: ``(1, D)``): it scores each position, as additive attention's
+    ``vᵀ tanh(W q + U k)`` does."""
+    if func is torch.einsum:
+        return any(isinstance(t, Tensor) and t.dim() == 1 for t in operands)
+    weight = operands[-1] if operands else None
+    if not isinstance(weight, Tensor):
         return False
     return weight.dim() == 1 or (weight.dim() == 2 and weight.size(0 if func is F.linear else 1) == 1)
 

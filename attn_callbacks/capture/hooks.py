@@ -212,11 +212,15 @@ class AttentionCapture:
         if self.watched and self._watch is None:
             self._watch = SdpaWatch(self.watched, self._watched_call, warned=self._dropout_warned, by_hand=self.by_hand)
 
-    def stop_watching(self) -> None:
-        """Stop seeing SDPA calls (a forward already running keeps the watch until it returns); a decoder loop computed
-        by hand whose steps did not make a call is noted (:meth:`~attn_callbacks.capture.by_hand.HandReader.finish`)."""
+    def finish_batch(self) -> None:
+        """The batch's model has run: read the steps of decoder loops computed by hand that the watch kept
+        (:meth:`~attn_callbacks.capture.by_hand.HandReader.finish`); call it before the batch's streams end."""
         if self._watch is not None and self._watch.by_hand is not None:
             self._watch.by_hand.finish()
+
+    def stop_watching(self) -> None:
+        """Stop seeing SDPA calls (a forward already running keeps the watch until it returns); steps not read by
+        :meth:`finish_batch` are dropped."""
         self._watch = None
 
     def start_census(self, model: nn.Module) -> None:

@@ -81,9 +81,10 @@ class Probe:
             )
         return same
 
-    def run(self, pl_module: Any, streams: Streams) -> None:
+    def run(self, pl_module: Any, streams: Streams, ran: Callable[[], None] | None = None) -> None:
         """Run :attr:`forward` on the user's probe batch with the hooks attached, keeping only the probe weights
-        (and the ids of the streams the modules read)."""
+        (and the ids of the streams the modules read); then ``ran()`` while the batch is still on (the capture's
+        ``finish_batch``, which reads decoder loops)."""
         streams.start_batch(move_data_to_device(self.batch, pl_module.device))
         try:
             try:
@@ -98,6 +99,8 @@ class Probe:
             self.weights.clear()
             with torch.no_grad():
                 self.forward(pl_module, streams.batch)
+            if ran is not None:
+                ran()
         finally:
             self.only = False
             streams.end_batch()
