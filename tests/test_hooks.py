@@ -157,6 +157,22 @@ def test_copy_of_an_attached_capture_is_detached_and_fastpath_count_never_goes_w
     assert torch.backends.mha.get_fastpath_enabled() == fastpath
 
 
+def test_a_copy_of_a_capture_watching_sdpa_modules_reads_their_calls_once_attached():
+    import copy
+
+    class Attend(nn.Module):
+        def forward(self, x):
+            return nn.functional.scaled_dot_product_attention(x, x, x)
+
+    model = nn.Sequential(Attend())
+    calls, capture = count_calls(model)
+    clone = copy.deepcopy(capture)  # its modules are copies too: its hooks must not look up the originals
+    x = torch.randn(2, 1, 3, 4)
+    with clone, clone.watching():
+        clone.modules["0"](x)
+    assert [tuple(w.shape) for w in calls["0"]] == [(2, 1, 3, 3)]
+
+
 def test_a_copy_of_a_model_made_while_hooked_runs_as_the_model_did_and_pickles():
     """A keep-best callback deep-copying the model mid-epoch, or torch.save of it: the copy changes nothing in its
     outputs and never calls into the capture; the original is read as before, and left without hooks."""

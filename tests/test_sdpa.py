@@ -1017,6 +1017,17 @@ class GatedRouter(Router):
         return F.softmax((torch.sigmoid(self.gate(x)) * x) @ self.w_gate, dim=-1)
 
 
+class LayerScaled(Router):
+    """LayerScale written as an einsum with a vector it does not sum over, then a router as wide as the sequence."""
+
+    def __init__(self, dim=16, experts=9):
+        super().__init__(dim, experts)
+        self.gamma = nn.Parameter(torch.full((dim,), 0.1))
+
+    def forward(self, x):
+        return F.softmax(torch.einsum("btd,d->btd", x, self.gamma) @ self.w_gate, dim=-1)
+
+
 class WithHeads(LightningModule):
     """Attention by hand beside modules that take a softmax and a product but make no attention scores."""
 
@@ -1027,12 +1038,12 @@ class WithHeads(LightningModule):
         self.model.blocks[0].attn = Tutorial("mingpt")
         self.router, self.pool, self.tied = Router(), Pooling(), TiedHead(nn.Embedding(9, 16))
         self.moe, self.route, self.unused = Experts(), AttendThenRoute(), TiedHead(nn.Embedding(9, 16))
-        self.gated = GatedRouter()
+        self.gated, self.scaled = GatedRouter(), LayerScaled()
 
     def validation_step(self, batch, batch_idx):
         x = self.model.emb(batch["ids"])
         self.model(batch["ids"])
-        self.router(x), self.pool(x), self.tied(x), self.moe(x), self.gated(x)
+        self.router(x), self.pool(x), self.tied(x), self.moe(x), self.gated(x), self.scaled(x)
         self.outputs = self.route(x), x
 
 
@@ -1049,7 +1060,7 @@ def test_modules_taking_a_softmax_and_a_product_but_no_attention_scores_are_neit
             default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
             callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
         ).validate(WithHeads(), DataLoader(batches, batch_size=None), verbose=False)  # fmt: skip
-    found = {"model.blocks.0.attn", "router", "pool", "tied", "moe", "route", "unused", "gated"}
+    found = {"model.blocks.0.attn", "router", "pool", "tied", "moe", "route", "unused", "gated", "scaled"}
     assert set(find_attention_modules(WithHeads())) == found
     assert list(load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules) == ["model.blocks.0.attn", "route"]
     assert [str(w.message) for w in caught if any(f"'{name}" in str(w.message) for name in found)] == []
@@ -1113,6 +1124,17 @@ class Stepping(LightningModule):
         self.model(batch["ids"])
 
 
+def validated_sums(tmp_path, lit):
+    """``lit`` validated over ``gpt_batches()`` with the sums exported: ``lit`` and its modules' exported sums."""
+    Trainer(
+        default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")], enable_progress_bar=False,
+        enable_model_summary=False,
+    ).validate(lit, DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
+    modules = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules
+    return lit, modules
+
+
 @pytest.mark.parametrize(
     "step",
     [StepDecoder, functools.partial(StepDecoder, halve=True), Additive, functools.partial(Additive, einsum=True)],
@@ -1123,13 +1145,7 @@ def test_decoder_loop_and_additive_attention_are_read_as_a_float64_loop(tmp_path
     gave them, whatever the model does with them in place later); additive scores (a one-output Linear, an einsum
     with a vector) are scores: S, C, Q, U and the position sums equal a float64 loop over the float64 twin's
     weights."""
-    lit = Stepping(step())
-    Trainer(
-        default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
-        callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids", export="pt")], enable_progress_bar=False,
-        enable_model_summary=False,
-    ).validate(lit, DataLoader(gpt_batches(), batch_size=None), verbose=False)  # fmt: skip
-    modules = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules
+    lit, modules = validated_sums(tmp_path, Stepping(step()))
     assert sorted(modules) == ["model.blocks.0.attn", "step"]
 
     twin = lit.double()
@@ -1171,7 +1187,7 @@ class Beams(StepDecoder):
 
 @pytest.mark.parametrize(
     ("step", "shape"),
-    [(StepDecoder(steps=8), (3, 1, 8, 9)), (StepDecoder(steps=18), (3, 1, 18, 9)), (Beams(), (3, 1, 9, 9))],
+    [(StepDecoder(steps=8), (3, 1, 8, 9)), (StepDecoder(steps=18), (3, 1, 18, 9)), (Beams(), (6, 1, 9))],
     ids=["short", "twice-the-stream", "beam-rows"],
 )
 def test_decoder_loop_that_does_not_make_the_query_stream_is_not_read_and_named_with_its_shape(tmp_path, step, shape):
@@ -1280,6 +1296,50 @@ def test_scores_laid_out_queries_before_heads_are_read_with_their_queries_where_
     scores = (q.double().transpose(1, 2) @ k.double().permute(0, 2, 3, 1)) / 2  # (B, H, T, T)
     want = scores.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), -math.inf).softmax(dim=-1)
     torch.testing.assert_close(read.double(), want)
+
+
+def test_scores_moved_back_to_heads_first_or_broadcast_over_heads_are_read_as_laid_out():
+    """After ``einsum("bqhd,bkhd->bqhk")`` a permute back to ``(B, H, Lq, Lk)`` (heads as many as queries) is read as
+    it is, not moved again; one head's scores plus a per-head bias broadcast to every head are read per head."""
+
+    class MovedBack(nn.Module):
+        def forward(self, q, k):  # (B, T, H, E)
+            return torch.einsum("bqhd,bkhd->bqhk", q, k).permute(0, 2, 1, 3).softmax(dim=-1)
+
+    class SharedPlusBias(nn.Module):
+        def forward(self, q, k, bias):  # (B, T, E), (B, T, E), (B, H, T, T)
+            return ((q @ k.transpose(1, 2))[:, None] + bias).softmax(dim=-1)
+
+    q, k, bias = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 3)
+    moved, shared = nn.Sequential(MovedBack()), nn.Sequential(SharedPlusBias())
+    with torch.no_grad(), capture_attention(moved) as first, capture_attention(shared) as second:
+        moved[0](q, k)
+        shared[0](q[:, :, 0], k[:, :, 0], bias)
+    torch.testing.assert_close(first["0"][0], (q.transpose(1, 2) @ k.permute(0, 2, 3, 1)).softmax(dim=-1))
+    torch.testing.assert_close(second["0"][0], ((q[:, :, 0] @ k[:, :, 0].transpose(1, 2))[:, None] + bias).softmax(-1))
+
+
+class LoopThenWhole(StepDecoder):
+    """A loop, one query per call, then a softmax over the whole sequence in the same forward: two calls, numbered
+    in the order they ran."""
+
+    def forward(self, x):
+        super().forward(x)
+        self.whole = F.softmax(torch.bmm(x, x.transpose(1, 2)), dim=-1)[:, None]
+
+
+def test_a_loop_and_a_whole_call_of_one_module_are_summed_apart_in_the_order_they_ran(tmp_path):
+    lit, modules = validated_sums(tmp_path, Stepping(LoopThenWhole()))
+    twin = lit.double()
+    loop, whole = [], []
+    causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(3, 9, 9)
+    with torch.no_grad():
+        for batch in gpt_batches():
+            twin.step(twin.model.emb(batch["ids"]))
+            loop.append((twin.step.weights, batch["ids"], batch["ids"], causal))
+            whole.append((twin.step.whole, batch["ids"], batch["ids"], torch.ones(3, 9, 9, dtype=torch.bool)))
+    assert_sums_of_float64_loop(modules["step"], loop, 12, 12)
+    assert_sums_of_float64_loop(modules["step.call1"], whole, 12, 12)
 
 
 def test_capture_attention_splits_batch_major_scores_by_the_heads_the_module_or_its_caller_declares():

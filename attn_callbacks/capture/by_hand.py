@@ -22,12 +22,24 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from attn_callbacks.base.tensor_ops import float_mask_allows
-from attn_callbacks.capture.sdpa import ChunkConsumer, calls_sdpa, computes_attention, declared_heads, next_call
+from attn_callbacks.capture.sdpa import (
+    ChunkConsumer,
+    call_site,
+    calls_sdpa,
+    computes_attention,
+    declared_heads,
+    next_call,
+)
 
 __all__ = ["ByHand", "HandReader"]
 
 #: The softmax functions a module computing attention by hand may call (``nn.Softmax`` calls the second).
 _SOFTMAX = frozenset({torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax})
+
+#: Ops that move a tensor's axes: scores laid out otherwise (:func:`_einsum_query_axis`) lose their layout there.
+_MOVES_AXES = frozenset(
+    {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "t", "adjoint", "__get__"}
+)
 
 #: The matrix products that make attention scores, each with the operands of its arguments.
 _PRODUCT_OPERANDS: dict[Any, Callable[[tuple], Iterable[Any]]] = {
@@ -98,9 +110,10 @@ class HandReader:
         self.weights: dict[int, weakref.ref] = {}
         # Scores whose queries are not their next-to-last axis (einsum "bqhd,bkhd->bqhk"): that axis, by id.
         self.query_axis: dict[int, int] = {}
-        # A decoder loop's steps in this batch, per module: the module, and each step's weights (B, H, 1, Lk) (a copy:
-        # the model may change its own in place later) and the keys allowed (B, 1, Lk).
-        self.steps: dict[str, tuple[nn.Module, list[tuple[Tensor, Tensor]]]] = {}
+        # A decoder loop's steps in this batch, per module: the module, the loop's call index (taken at its first
+        # step, so that calls keep the order they ran in) and the site's (B, Lq, Lk); each step's weights (B, H, 1, Lk)
+        # (a copy: the model may change its own in place later) and the keys allowed (B, 1, Lk).
+        self.steps: dict[str, tuple[nn.Module, int, tuple[int, int, int], list[tuple[Tensor, Tensor]]]] = {}
 
     def see(
         self,
@@ -133,14 +146,14 @@ class HandReader:
         made = next((t for t in inputs if _kept(self.scores, t)), None)
         axis = None  # where the queries of scores laid out otherwise lie
         if made is not None:
-            if output.numel() > made.numel():  # broadcast over more (a one-output gate times the hidden states)
-                return
+            if made.size(-1) == 1 < output.size(-1) and output.numel() > made.numel():
+                return  # a one-output gate broadcast over the hidden states' last axis: not scores
             kind = self.scores
-            if output.shape == made.shape:  # scaled, masked: laid out as before
+            if output.shape == made.shape and getattr(func, "__name__", None) not in _MOVES_AXES:  # scaled, masked
                 axis = self.query_axis.get(id(made))
         elif func in _PRODUCT_OPERANDS:
             batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs)
-            kind = self.scores if batched or _one_output(inputs, func) else self.logits
+            kind = self.scores if batched or _one_output(inputs, func, args[0] if args else None) else self.logits
         elif func is F.linear:
             kind = (
                 self.scores if _one_output([args[1] if len(args) > 1 else kwargs.get("weight")], func) else self.logits
@@ -172,16 +185,18 @@ class HandReader:
         _keep(self.weights, weights)
         if dim % weights.dim() != weights.dim() - 1 or _kept(self.logits, scores):
             return
-        index = self.calls.get(name, 0)
-        site = name if index == 0 else f"{name}.call{index}"
+        site = call_site(name, self.calls.get(name, 0))
         expected = self.by_hand.expect(site, weights.device) if self.by_hand.expect is not None else None
         made = _kept(self.scores, scores)
         if made and id(scores) in self.query_axis:  # (B, Lq, H, Lk) -> (B, H, Lq, Lk)
             weights, scores = (t.movedim(self.query_axis[id(scores)], -2) for t in (weights, scores))
         heads = _heads(expected, owners, weights) if made and weights.dim() >= 3 else None
-        step = None
-        if heads is None and made and expected is not None and expected[1] > 1 and weights.dim() >= 3:
-            step = _heads((expected[0], 1, expected[2]), owners, weights)  # one query position: a decoder's step
+        step, loop = None, self.steps.get(name)
+        fit = loop[2] if loop is not None else expected  # the tokens of the loop under way, or of this call's site
+        # One query position, (B, [H,] 1, Lk): a decoder's step. (B · k, 1, Lk) is not split: beams or heads?
+        one_head_or_more = weights.dim() > 3 or (weights.dim() == 3 and fit is not None and weights.size(0) == fit[0])
+        if heads is None and made and fit is not None and fit[1] > 1 and one_head_or_more:
+            step = _heads((fit[0], 1, fit[2]), owners, weights)
         if heads is None and step is None:
             if expected is not None and weights.dim() >= 3 and (made or weights.size(-1) == expected[2]):
                 self.by_hand.unread.setdefault(name, (tuple(weights.shape), expected))
@@ -193,7 +208,9 @@ class HandReader:
             # unless two heads' rows lie more than BIAS_SPAN apart).
             allowed = float_mask_allows(scores.detach().reshape(weights.shape).amax(dim=1))  # (B, Lq, Lk)
             if step is not None:
-                self.steps.setdefault(name, (module, []))[1].append((weights.clone(), allowed))
+                if loop is None:
+                    loop = self.steps[name] = (module, next_call(self.calls, name), fit, [])
+                loop[3].append((weights.clone(), allowed))
                 return
             batch = weights.size(0)
             self.consumer(name, next_call(self.calls, name), module, weights, slice(0, batch), batch, allowed)
@@ -203,12 +220,8 @@ class HandReader:
         are read as one call, step ``t`` as query position ``t``; others (a loop of another length, two loops, a
         module shared by two layers of the loop, rows that change as a beam search's do) are noted, not read."""
         steps, self.steps = self.steps, {}
-        for name, (module, kept) in steps.items():
+        for name, (module, index, expected, kept) in steps.items():
             weights = kept[0][0]
-            index = self.calls.get(name, 0)
-            expected = self.by_hand.expect(name if index == 0 else f"{name}.call{index}", weights.device)
-            if expected is None:
-                continue
             if len(kept) != expected[1] or any(w.shape != weights.shape for w, _ in kept):
                 shape = (weights.size(0), weights.size(1), len(kept), weights.size(-1))
                 self.by_hand.unread.setdefault(name, (shape, expected))
@@ -216,7 +229,7 @@ class HandReader:
             # (B, H, Lq, Lk) and (B, Lq, Lk)
             weights, allowed = torch.cat([w for w, _ in kept], dim=-2), torch.cat([a for _, a in kept], dim=-2)
             batch = weights.size(0)
-            self.consumer(name, next_call(self.calls, name), module, weights, slice(0, batch), batch, allowed)
+            self.consumer(name, index, module, weights, slice(0, batch), batch, allowed)
 
 
 def _heads(expected: tuple[int, int, int] | None, owners: Iterator[Any], weights: Tensor) -> int | None:
@@ -237,12 +250,18 @@ def _heads(expected: tuple[int, int, int] | None, owners: Iterator[Any], weights
     return weights.size(0) // batch if batch and weights.size(0) % batch == 0 else None
 
 
-def _one_output(operands: list[Any], func: Any) -> bool:
-    """Whether a product's or a ``Linear``'s weight (the last of ``operands``; any, for an ``einsum``) has one output
-    (a vector ``v``, ``(D, 1)``; ``Linear(D, 1)``: ``(1, D)``): it scores each position, as additive attention's
-    ``vᵀ tanh(W q + U k)`` does."""
+def _one_output(operands: list[Any], func: Any, equation: Any = None) -> bool:
+    """Whether a product's or a ``Linear``'s weight (the last of ``operands``) has one output (a vector ``v``,
+    ``(D, 1)``; ``Linear(D, 1)``: ``(1, D)``; for an ``einsum``, a vector whose index ``equation`` sums over): it
+    scores each position, as additive attention's ``vᵀ tanh(W q + U k)`` does."""
     if func is torch.einsum:
-        return any(isinstance(t, Tensor) and t.dim() == 1 for t in operands)
+        if not isinstance(equation, str) or "->" not in equation:
+            return False
+        subscripts, output = equation.replace(" ", "").split("->")
+        return any(
+            isinstance(t, Tensor) and t.dim() == 1 and letters not in output
+            for t, letters in zip(operands, subscripts.split(","), strict=False)
+        )
     weight = operands[-1] if operands else None
     if not isinstance(weight, Tensor):
         return False

@@ -19,9 +19,9 @@ tokens the batch does not hold); it counts those calls instead.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
-import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -40,7 +40,8 @@ from attn_callbacks.capture.find import (
     named_modules,
     reads_output,
 )
-from attn_callbacks.capture.sdpa import SdpaCensus, SdpaWatch
+from attn_callbacks.capture.frames import in_generate
+from attn_callbacks.capture.sdpa import SdpaCensus, SdpaWatch, call_site
 from attn_callbacks.capture.switches import EagerCompile, FastpathOff, GlobalSwitch
 
 __all__ = ["AttentionCapture", "mha_allowed"]
@@ -103,7 +104,6 @@ class AttentionCapture:
             if not isinstance(module, nn.MultiheadAttention) and not reads_output(module, name, self.output_index)
         }
         self.by_hand = ByHand.of(self.watched, expect)  # watched modules computing attention by hand
-        self._names = {id(module): name for name, module in self.watched.items()}
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching
@@ -176,7 +176,8 @@ class AttentionCapture:
                         module.register_forward_hook(_Hook(self._read_hook(name, module)), with_kwargs=True)
                     )
                 else:  # the watch is entered around the forward only, and left however the forward ends
-                    self._handles.append(module.register_forward_pre_hook(_Hook(self._enter_watch)))
+                    enter = _Hook(functools.partial(self._enter_watch, name))
+                    self._handles.append(module.register_forward_pre_hook(enter))
                     self._handles.append(module.register_forward_hook(_Hook(self._leave_watch), always_call=True))
         except BaseException:
             self.detach()
@@ -243,8 +244,8 @@ class AttentionCapture:
             self._census = SdpaCensus.running = None
         return census.unseen
 
-    def _enter_watch(self, module: nn.Module, args: tuple) -> None:
-        if self._depth == 0 and self._watch is not None and self._generating(self._names[id(module)]):
+    def _enter_watch(self, name: str, module: nn.Module, args: tuple) -> None:
+        if self._depth == 0 and self._watch is not None and self._generating(name):
             return  # left with the depth at 0: its forward hook does nothing either
         if self._watch is not None:
             self._forwards.add(id(module))
@@ -277,7 +278,7 @@ class AttentionCapture:
     ) -> None:
         if rows.start == 0:
             self.calls[name] += 1
-        self.consumer(name if index == 0 else f"{name}.call{index}", module, weights, rows, batch, allowed)
+        self.consumer(call_site(name, index), module, weights, rows, batch, allowed)
 
     def _generating(self, name: str) -> bool:
         """Whether the call of module ``name`` under way is one to leave out (made inside a ``generate`` method),
@@ -393,19 +394,6 @@ class AttentionCapture:
             stacklevel=2,
         )
         return None
-
-
-def in_generate(frame: types.FrameType | None) -> str | None:
-    """The outermost ``generate`` method of a module (Hugging Face's ``generate()``, nanoGPT's) on the stack from
-    ``frame`` outwards, as ``"{class}.generate"``; None if there is none."""
-    found = None
-    while frame is not None:
-        if frame.f_code.co_name == "generate":
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module):
-                found = f"{type(owner).__name__}.generate"
-        frame = frame.f_back
-    return found
 
 
 def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:

@@ -35,7 +35,7 @@ import math
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +45,7 @@ from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
 from attn_callbacks.base.tensor_ops import float_mask_allows
+from attn_callbacks.capture.frames import method_owners
 
 if TYPE_CHECKING:
     from attn_callbacks.capture.by_hand import ByHand
@@ -55,7 +56,6 @@ __all__ = [
     "SdpaWatch",
     "calls_sdpa",
     "computes_attention",
-    "method_owners",
     "next_call",
     "sdpa_allowed",
     "sdpa_weights",
@@ -419,13 +419,9 @@ def next_call(calls: dict[str, int], name: str) -> int:
     return index
 
 
-def method_owners(frame: types.FrameType | None) -> Iterator[Any]:
-    """The ``self`` of each method on the stack from ``frame`` outwards, innermost first."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self":
-            yield frame.f_locals.get("self")
-        frame = frame.f_back
+def call_site(name: str, index: int) -> str:
+    """The sums' name of module ``name``'s ``index``-th call in a batch: the module's own, then ``{name}.call{k}``."""
+    return name if index == 0 else f"{name}.call{index}"
 
 
 def _rows_of(mask: Tensor | None, rows: slice, batch: int) -> Tensor | None:

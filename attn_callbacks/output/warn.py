@@ -118,7 +118,7 @@ class Warnings:
                 "method named `generate` (the forward that gives the validation loss)."
             )
         elif only:
-            end = f"; nothing was seen of {_names(only)}, which ran inside it only."
+            end = f"; nothing was seen of {_names(only)}, which ran inside {'them' if len(methods) > 1 else 'it'} only."
         self.once(
             "generate",
             f"AttentionMonitor: {sum(generated.values())} call(s) of attention module(s) {_names(list(generated))} "
