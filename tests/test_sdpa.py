@@ -1069,19 +1069,25 @@ def test_modules_taking_a_softmax_and_a_product_but_no_attention_scores_are_neit
 class StepDecoder(nn.Module):
     """Dot-product (Luong) attention, one query position per call, as a decoder loop takes it; causal, ``-inf``
     masked. Keeps its weights ``(B, 1, T, T)`` for the float64 reference. ``steps``: the loop's steps where not
-    ``T`` (step ``t`` at position ``t % T``); ``halve``: halve the weights in place after the softmax."""
+    ``T`` (step ``t`` at position ``t % T``); ``halve``: halve the weights in place after the softmax; ``flat``: a
+    softmax over ``(B, T)`` scores, ``bmm(keys, query)`` squeezed, unsqueezed after it."""
 
-    def __init__(self, dim=16, steps=None, halve=False):
+    def __init__(self, dim=16, steps=None, halve=False, flat=False):
         super().__init__()
-        self.q, self.steps, self.halve = nn.Linear(dim, dim), steps, halve
+        self.q, self.steps, self.halve, self.flat = nn.Linear(dim, dim), steps, halve, flat
 
     def forward(self, x):
         out, weights = [], []
         for step in range(self.steps or x.size(1)):
             t = step % x.size(1)
-            scores = torch.bmm(self.q(x[:, t : t + 1]), x.transpose(1, 2))  # (B, 1, T)
-            scores[:, :, t + 1 :] = -math.inf
-            w = F.softmax(scores, dim=-1)
+            if self.flat:
+                scores = torch.bmm(x, self.q(x[:, t]).unsqueeze(2)).squeeze(2)  # (B, T)
+                scores[:, t + 1 :] = -math.inf
+                w = F.softmax(scores, dim=1).unsqueeze(1)
+            else:
+                scores = torch.bmm(self.q(x[:, t : t + 1]), x.transpose(1, 2))  # (B, 1, T)
+                scores[:, :, t + 1 :] = -math.inf
+                w = F.softmax(scores, dim=-1)
             weights.append(w.clone() if self.halve else w)
             if self.halve:
                 w.mul_(0.5)
@@ -1137,8 +1143,14 @@ def validated_sums(tmp_path, lit):
 
 @pytest.mark.parametrize(
     "step",
-    [StepDecoder, functools.partial(StepDecoder, halve=True), Additive, functools.partial(Additive, einsum=True)],
-    ids=["loop", "loop-changed-in-place", "additive", "additive-einsum"],
+    [
+        StepDecoder,
+        functools.partial(StepDecoder, halve=True),
+        functools.partial(StepDecoder, flat=True),
+        Additive,
+        functools.partial(Additive, einsum=True),
+    ],
+    ids=["loop", "loop-changed-in-place", "loop-2d", "additive", "additive-einsum"],
 )
 def test_decoder_loop_and_additive_attention_are_read_as_a_float64_loop(tmp_path, step):
     """A decoder loop's steps, one query position per call, make one call over the query stream (as the softmax

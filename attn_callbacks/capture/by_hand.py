@@ -110,6 +110,9 @@ class HandReader:
         self.weights: dict[int, weakref.ref] = {}
         # Scores whose queries are not their next-to-last axis (einsum "bqhd,bkhd->bqhk"): that axis, by id.
         self.query_axis: dict[int, int] = {}
+        # Scores that a product of two batched tensors made (not a one-output Linear): a 2-D softmax over them,
+        # (B, Lk), is one query's (Luong's bmm(keys, query)), not a pooling's. By id.
+        self.paired: dict[int, None] = {}
         # A decoder loop's steps in this batch, per module: the module, the loop's call index (taken at its first
         # step, so that calls keep the order they ran in) and the site's (B, Lq, Lk); each step's weights (B, H, 1, Lk)
         # (a copy: the model may change its own in place later) and the keys allowed (B, 1, Lk).
@@ -144,16 +147,16 @@ class HandReader:
         if any(_kept(self.weights, t) for t in inputs):
             return
         made = next((t for t in inputs if _kept(self.scores, t)), None)
-        axis = None  # where the queries of scores laid out otherwise lie
+        axis, paired = None, False  # where the queries of scores laid out otherwise lie; made by q @ kᵀ
         if made is not None:
             if made.size(-1) == 1 < output.size(-1) and output.numel() > made.numel():
                 return  # a one-output gate broadcast over the hidden states' last axis: not scores
-            kind = self.scores
+            kind, paired = self.scores, id(made) in self.paired
             if output.shape == made.shape and getattr(func, "__name__", None) not in _MOVES_AXES:  # scaled, masked
                 axis = self.query_axis.get(id(made))
         elif func in _PRODUCT_OPERANDS:
-            batched = all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs)
-            kind = self.scores if batched or _one_output(inputs, func, args[0] if args else None) else self.logits
+            paired = all(isinstance(t, Tensor) and t.dim() >= 3 for t in inputs)
+            kind = self.scores if paired or _one_output(inputs, func, args[0] if args else None) else self.logits
         elif func is F.linear:
             kind = (
                 self.scores if _one_output([args[1] if len(args) > 1 else kwargs.get("weight")], func) else self.logits
@@ -164,9 +167,12 @@ class HandReader:
         if func is torch.einsum and kind is self.scores and made is None:
             axis = _einsum_query_axis(args[0])
         self.query_axis.pop(id(output), None)
-        _keep(kind, output, self.query_axis)
+        self.paired.pop(id(output), None)
+        _keep(kind, output, self.query_axis, self.paired)
         if axis is not None:
             self.query_axis[id(output)] = axis
+        if paired and kind is self.scores:
+            self.paired[id(output)] = None
 
     def _read_softmax(
         self, name: str, module: nn.Module, owners: Iterator[Any], args: tuple, kwargs: dict, weights: Any
@@ -175,7 +181,8 @@ class HandReader:
         (:meth:`_trace`), ``(B, H, Lq, Lk)``, or ``(B, Lq, Lk)`` (``(B · H, Lq, Lk)``, batch-major): its output is the
         weights the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask
         rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). One over a single query position,
-        ``(B, [H,] 1, Lk)``, where the site has more, is a decoder loop's step: kept for :meth:`finish`. Other
+        ``(B, [H,] 1, Lk)`` (or ``(B, Lk)`` that a product of two batched tensors made), where the site has more, is
+        a decoder loop's step: kept for :meth:`finish`. Other
         softmaxes are not attention (a router's, a pooling's). One over scores that do not fit the site's tokens, or
         one over as many entries as the keys that came neither from scores nor from logits, is noted, not read."""
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -190,6 +197,8 @@ class HandReader:
         made = _kept(self.scores, scores)
         if made and id(scores) in self.query_axis:  # (B, Lq, H, Lk) -> (B, H, Lq, Lk)
             weights, scores = (t.movedim(self.query_axis[id(scores)], -2) for t in (weights, scores))
+        if made and weights.dim() == 2 and id(scores) in self.paired:  # (B, Lk): one query's, a decoder's step
+            weights, scores = weights.unsqueeze(1), scores.unsqueeze(1)
         heads = _heads(expected, owners, weights) if made and weights.dim() >= 3 else None
         step, loop = None, self.steps.get(name)
         fit = loop[2] if loop is not None else expected  # the tokens of the loop under way, or of this call's site
