@@ -4,7 +4,7 @@ from torch import nn
 
 from attn_callbacks.capture.collect import capture_attention
 from attn_callbacks.capture.find import find_attention_modules
-from attn_callbacks.capture.hooks import AttentionCapture, mha_allowed
+from attn_callbacks.capture.hooks import AttentionCapture
 
 
 def encoder(batch_first=True, layers=2, nested=True):
@@ -285,48 +285,6 @@ def test_capture_inside_a_compiled_function_reads_the_calls_leaves_the_stance_al
 
     assert run(torch.randn(3, 1, 8))[1] == 1
     assert torch._dynamo.eval_frame._stance.stance == "default"
-
-
-def test_mha_allowed_reads_boolean_and_float_attention_and_padding_masks_per_call_form():
-    """nn.MultiheadAttention's masks say True where a query may NOT attend (boolean) or add to the logits (float: a
-    bias allows, -inf and values 1e3 below the row's largest mask); the allowed keys are True where no mask masks
-    them, for some head."""
-    weights = torch.zeros(2, 2, 3, 3)  # (B, H, Lq, Lk)
-    query = torch.zeros(2, 3, 8)
-    causal = nn.Transformer.generate_square_subsequent_mask(3)  # 0 on and below the diagonal, -inf above
-    lower = torch.ones(3, 3, dtype=torch.bool).tril()
-    assert torch.equal(mha_allowed({"query": query, "attn_mask": causal}, weights), lower[None])
-    assert torch.equal(mha_allowed({"query": query, "attn_mask": ~lower}, weights), lower[None])
-    padding = torch.tensor([[False, False, True], [False, False, False]])  # sample 0's last key is padding
-    got = mha_allowed({"query": query, "key_padding_mask": padding, "attn_mask": causal}, weights)
-    assert got.tolist() == [[[1, 0, 0], [1, 1, 0], [1, 1, 0]], lower.int().tolist()]
-    for masked in (-torch.inf, -1e3, -1e9):  # -1e3 zeroes a weight too: a mask, not a bias
-        float_padding = torch.zeros(2, 3).masked_fill(padding, masked)
-        got = mha_allowed({"query": query, "key_padding_mask": float_padding}, weights)
-        assert torch.equal(got, (~padding)[:, None].expand(2, 3, 3))
-    alibi = -torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0], [2.0, 1.0, 0.0]])  # a bias: every key allowed
-    assert mha_allowed({"query": query, "attn_mask": alibi}, weights).all()
-    per_head = torch.zeros(4, 3, 3, dtype=torch.bool)  # (B * H, Lq, Lk): sample 1's first head masks key 0
-    per_head[2, :, 0] = True
-    assert mha_allowed({"query": query, "attn_mask": per_head}, weights).all()  # its second head may attend
-    per_head[3, :, 0] = True
-    assert mha_allowed({"query": query, "attn_mask": per_head}, weights)[1, :, 0].tolist() == [False] * 3
-    unbatched = mha_allowed({"query": query[0], "key_padding_mask": padding[0]}, weights[0])
-    assert unbatched.tolist() == [[[True, True, False]] * 3]
-    nested = torch.nested.nested_tensor([torch.zeros(3, 8), torch.zeros(2, 8)])
-    assert mha_allowed({"query": nested}, weights) is None  # its padding mask was dropped: the weights tell
-
-
-def test_mha_allowed_lets_the_keys_add_bias_kv_and_add_zero_attn_append_be_seen():
-    attention = nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True, batch_first=True).eval()
-    x = torch.randn(2, 4, 8)
-    padding = torch.tensor([[False, False, False, True], [False] * 4])
-    with torch.no_grad():
-        _, weights = attention(x, x, x, key_padding_mask=padding, average_attn_weights=False)  # (2, 2, 4, 6)
-    allowed = mha_allowed({"query": x, "key_padding_mask": padding, "attn_mask": torch.zeros(4, 4)}, weights)
-    assert allowed.shape == (2, 4, 6)
-    assert allowed[0, 0].tolist() == [True, True, True, False, True, True] and allowed[1].all()
-    assert torch.equal(allowed, weights.amax(dim=1) > 0)  # the masked key alone gets no weight
 
 
 @pytest.mark.parametrize("via_layer", [False, True])

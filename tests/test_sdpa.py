@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from attn_callbacks import AttentionMonitor, capture_attention, find_attention_modules, load_epoch
 from attn_callbacks.capture import hooks
 from attn_callbacks.capture.hooks import AttentionCapture
-from attn_callbacks.capture.sdpa import SdpaWatch, calls_sdpa, sdpa_allowed, sdpa_weights
+from attn_callbacks.capture.sdpa import SdpaWatch, calls_sdpa, sdpa_weights
 
 
 def naive_weights(q, k, mask=None, causal=False, scale=None, gqa=False):
@@ -214,24 +214,6 @@ def test_monitor_reads_nanogpt_style_model_as_float64_eager_twin_outputs_untouch
             for h in range(4):
                 got = logged[f"attention_position_heads/{stat}/{name}/head_{h}"]
                 assert got == pytest.approx(float(heads[h]), abs=1e-4)
-
-
-def test_sdpa_allowed_reads_boolean_float_causal_and_per_head_masks():
-    cpu = torch.device("cpu")
-    assert sdpa_allowed(None, False, 2, 3, cpu).tolist() == [[[True] * 3] * 2]
-    assert sdpa_allowed(None, True, 2, 3, cpu).tolist() == [[[True, False, False], [True, True, False]]]
-    per_head = torch.tensor([[[[True, False]], [[False, False]]]])  # (B=1, H=2, 1, Lk=2): allowed for some head
-    assert sdpa_allowed(per_head, False, 2, 2, cpu).tolist() == [[[True, False], [True, False]]]
-    # float: a bias allows (T5's position bias folded into the mask, ALiBi: within 1e3 of the row's largest value);
-    # -inf, a dtype's minimum, -1e9, and -1e4 plus a bias mask; a row whose largest value is -1e4 or less is masked
-    mask = torch.tensor([[0.0, -math.inf, -1e9, -0.25, 7.5, -9999.0, -1e4, torch.finfo(torch.float32).min]])
-    causal_rows = [[True, False, False, False, False, False, False, False], [True] + [False] * 7]
-    assert sdpa_allowed(mask.view(1, 1, 1, 8), True, 2, 8, cpu).tolist() == [causal_rows]
-    assert sdpa_allowed(mask.view(1, 1, 1, 8), False, 1, 8, cpu).tolist() == [
-        [[True, False, False, True, True, False, False, False]]
-    ]
-    masked_whole = torch.tensor([[-1e4, -2e4]]).view(1, 1, 1, 2)  # its largest value -1e4: no key allowed
-    assert sdpa_allowed(masked_whole, False, 1, 2, cpu).tolist() == [[[False, False]]]
 
 
 class Sharp(LightningModule):

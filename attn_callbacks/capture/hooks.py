@@ -32,7 +32,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from attn_callbacks.base.tensor_ops import float_mask_allows
 from attn_callbacks.capture import hf
 from attn_callbacks.capture.by_hand import ByHand
 from attn_callbacks.capture.find import (
@@ -41,10 +40,11 @@ from attn_callbacks.capture.find import (
     reads_output,
 )
 from attn_callbacks.capture.frames import in_generate
+from attn_callbacks.capture.masks import mha_allowed
 from attn_callbacks.capture.sdpa import SdpaCensus, SdpaWatch, call_site
 from attn_callbacks.capture.switches import EagerCompile, FastpathOff, GlobalSwitch
 
-__all__ = ["AttentionCapture", "mha_allowed"]
+__all__ = ["AttentionCapture"]
 
 WeightsConsumer = Callable[[str, nn.Module, Tensor, slice, int, Tensor | None], None]
 
@@ -69,8 +69,8 @@ class AttentionCapture:
             ``nn.MultiheadAttention`` call) for the samples ``rows`` (a ``slice``) of the call's ``batch`` samples:
             all of them, except for an SDPA call recomputed a few samples at a time. The k-th SDPA call of a module
             in one batch (k ≥ 1) is named ``f"{name}.call{k}"``. ``allowed``: the keys the call's mask lets each
-            query attend to, broadcastable to ``(b, Lq, Lk)`` (see :func:`mha_allowed` and
-            :func:`~attn_callbacks.capture.sdpa.sdpa_allowed`, :func:`~attn_callbacks.capture.hf.eager_allowed`), or
+            query attend to, broadcastable to ``(b, Lq, Lk)`` (see :func:`~attn_callbacks.capture.masks.mha_allowed` and
+            :func:`~attn_callbacks.capture.masks.sdpa_allowed`, :func:`~attn_callbacks.capture.hf.eager_allowed`), or
             None where the capture cannot know (a nested-tensor call, a Hugging Face call without a mask it reads).
         disable_fastpath: switch ``torch.backends.mha`` fast path off while attached (restored when the last
             capture attached at the time detaches).
@@ -394,40 +394,6 @@ class AttentionCapture:
             stacklevel=2,
         )
         return None
-
-
-def mha_allowed(call: Mapping[str, Any], weights: Tensor) -> Tensor | None:
-    """The keys each query of an ``nn.MultiheadAttention`` call (its bound arguments ``call``) may attend to,
-    ``(B or 1, Lq, Lk)`` bool, from its ``attn_mask`` (boolean: True masks; float: see
-    :func:`~attn_callbacks.base.tensor_ops.float_mask_allows`) and
-    ``key_padding_mask`` (likewise), for its weights ``(B, H, Lq, Lk)`` or ``(H, Lq, Lk)``; None for a nested-tensor
-    call (``nn.TransformerEncoder``'s conversion drops its padding mask: only the weights tell which keys it had).
-
-    Example:
-        >>> causal = nn.Transformer.generate_square_subsequent_mask(3)  # 0 on and below the diagonal, -inf above
-        >>> mha_allowed({"query": torch.zeros(3, 4), "attn_mask": causal}, torch.zeros(1, 3, 3))[0].int().tolist()
-        [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
-    """
-    if call["query"].is_nested:
-        return None
-    len_q, len_k = weights.shape[-2:]
-    allowed = torch.ones(1, len_q, len_k, dtype=torch.bool, device=weights.device)
-    attn_mask, padding = call.get("attn_mask"), call.get("key_padding_mask")
-    if attn_mask is not None:
-        free = _with_added_keys(~attn_mask if attn_mask.dtype == torch.bool else float_mask_allows(attn_mask), len_k)
-        if free.dim() == 3:  # (B * H, Lq, Lk): allowed for some head
-            free = free.view(-1, weights.size(-3), len_q, len_k).any(dim=1)
-        allowed = allowed & free.to(weights.device)
-    if padding is not None:
-        free = _with_added_keys(~padding if padding.dtype == torch.bool else float_mask_allows(padding), len_k)
-        allowed = allowed & free.to(weights.device).view(-1, 1, len_k)  # (B, 1, Lk); (1, 1, Lk) unbatched
-    return allowed
-
-
-def _with_added_keys(free: Tensor, len_k: int) -> Tensor:
-    """A mask over the caller's keys, allowing the keys ``add_bias_kv`` / ``add_zero_attn`` append after them."""
-    missing = len_k - free.size(-1)
-    return torch.nn.functional.pad(free, (0, missing), value=True) if missing > 0 else free
 
 
 def _leave(mode: torch.overrides.TorchFunctionMode) -> bool:

@@ -44,8 +44,8 @@ from torch.nn import functional as F
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
-from attn_callbacks.base.tensor_ops import float_mask_allows
 from attn_callbacks.capture.frames import method_owners
+from attn_callbacks.capture.masks import sdpa_allowed
 
 if TYPE_CHECKING:
     from attn_callbacks.capture.by_hand import ByHand
@@ -57,7 +57,6 @@ __all__ = [
     "calls_sdpa",
     "computes_attention",
     "next_call",
-    "sdpa_allowed",
     "sdpa_weights",
     "unreadable_attention",
 ]
@@ -141,26 +140,6 @@ def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast switched off on ``device``'s kind, where autocast exists for it."""
     available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))  # torch < 2.4
     return torch.autocast(device.type, enabled=False) if available(device.type) else contextlib.nullcontext()
-
-
-def sdpa_allowed(attn_mask: Tensor | None, is_causal: bool, len_q: int, len_k: int, device: torch.device) -> Tensor:
-    """The keys each query of a ``scaled_dot_product_attention`` call may attend to, ``(B or 1, Lq, Lk)`` bool: where a
-    boolean ``attn_mask`` is True (for some head) or a float one allows it
-    (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`: a bias such as T5's position bias or ALiBi allows;
-    ``-inf``, ``finfo.min``, ``-1e9`` mask), below the diagonal with ``is_causal``.
-
-    Example:
-        >>> sdpa_allowed(torch.tensor([[0.0, float("-inf"), -0.5]]), False, 1, 3, torch.device("cpu")).tolist()
-        [[[True, False, True]]]
-    """
-    allowed = torch.ones(1, len_q, len_k, dtype=torch.bool, device=device)
-    if is_causal:
-        allowed = allowed.tril_()
-    if attn_mask is not None:
-        free = attn_mask if attn_mask.dtype == torch.bool else float_mask_allows(attn_mask)
-        free = free.reshape((1,) * (4 - free.dim()) + tuple(free.shape)).any(dim=1)  # (B or 1, Lq or 1, Lk or 1)
-        allowed = allowed & free
-    return allowed
 
 
 def calls_sdpa(module: nn.Module) -> bool:
