@@ -182,9 +182,9 @@ class HandReader:
         weights the module applies, and its input the scores, whose masked keys (``-inf``, ``-1e9`` …) the float-mask
         rule reads (:func:`~attn_callbacks.base.tensor_ops.float_mask_allows`). One over a single query position,
         ``(B, [H,] 1, Lk)`` (or ``(B, Lk)`` that a product of two batched tensors made), where the site has more, is
-        a decoder loop's step: kept for :meth:`finish`. Other
-        softmaxes are not attention (a router's, a pooling's). One over scores that do not fit the site's tokens, or
-        one over as many entries as the keys that came neither from scores nor from logits, is noted, not read."""
+        a decoder loop's step: kept for :meth:`finish`. Other softmaxes are not attention (a router's, a pooling's).
+        One over scores that do not fit the site's tokens, or one over as many entries as the keys that came neither
+        from scores nor from logits, is noted, not read."""
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         scores = args[0] if args else kwargs.get("input")
         if not isinstance(weights, Tensor) or not isinstance(dim, int) or weights.dim() < 2:
@@ -202,10 +202,10 @@ class HandReader:
         heads = _heads(expected, owners, weights) if made and weights.dim() >= 3 else None
         step, loop = None, self.steps.get(name)
         fit = loop[2] if loop is not None else expected  # the tokens of the loop under way, or of this call's site
-        # One query position, (B, [H,] 1, Lk): a decoder's step. (B · k, 1, Lk) is not split: beams or heads?
-        one_head_or_more = weights.dim() > 3 or (weights.dim() == 3 and fit is not None and weights.size(0) == fit[0])
-        if heads is None and made and fit is not None and fit[1] > 1 and one_head_or_more:
-            step = _heads((fit[0], 1, fit[2]), owners, weights)
+        if heads is None and made and fit is not None and fit[1] > 1 and weights.dim() >= 3:
+            step = _heads((fit[0], 1, fit[2]), owners, weights)  # one query position, (B, [H,] 1, Lk): a step
+            if weights.dim() == 3 and step != 1:
+                step = None  # (B · k, 1, Lk) could be beams as well as heads: not split
         if heads is None and step is None:
             if expected is not None and weights.dim() >= 3 and (made or weights.size(-1) == expected[2]):
                 self.by_hand.unread.setdefault(name, (tuple(weights.shape), expected))
