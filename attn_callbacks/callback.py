@@ -162,6 +162,7 @@ class AttentionMonitor(MonitorOptions, Callback):
                 self._capture.attach()  # detached after `limit_batches`
                 with self._capture.watching():
                     self._probe.run(pl_module, self._streams, self._capture.finish_batch)
+                self._report.warnings.unread(self._capture.by_hand.unread)  # a loop that does not fit the probe
         finally:
             self._release()
         if self._capture.watched:  # processes may have seen different SDPA calls: agree first (a collective)

@@ -177,5 +177,5 @@ def test_probe_run_warns_once_when_the_forward_runs_no_attention():
     probe = Probe({"src": torch.tensor([[1, 2, 3]])}, lambda module, batch: module.embed(batch["src"]))
     _, first = _recorded(lambda: probe.run(Model(), _streams()))
     _, second = _recorded(lambda: probe.run(Model(), _streams()))
-    assert len(first) == 1 and "no monitored attention module ran in it, so no probe maps are drawn" in first[0]
+    assert len(first) == 1 and "no attention of a monitored module was read in it, so no probe" in first[0]
     assert second == [] and probe.weights == {}

@@ -1170,6 +1170,25 @@ def test_decoder_loop_run_on_a_probe_batch_of_ones_own_is_drawn(tmp_path):
     assert "attention_probe/step/sample_0" in events.Tags()["images"]
 
 
+def test_decoder_loop_that_does_not_fit_a_probe_batch_of_ones_own_is_named_with_its_shape(tmp_path):
+    """A loop of nine steps reads the validation batches (nine tokens) but not a five-token probe: the probe says
+    nothing of its attention was read, and the loop is named with the shape its steps made there."""
+    batch = gpt_batches()[0]
+    monitor = AttentionMonitor(
+        vocab_size=12, token_ids="ids", probe={"ids": batch["ids"][:1, :5]},
+        probe_forward=lambda lit, probe: lit.step(lit.model.emb(probe["ids"])),
+    )  # fmt: skip
+    with pytest.warns(UserWarning) as caught:
+        Trainer(
+            default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+            callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+        ).validate(Stepping(StepDecoder(steps=9)), DataLoader(gpt_batches(), batch_size=None))  # fmt: skip
+    said = [str(w.message) for w in caught]
+    assert sum("no attention of a monitored module was read in it" in message for message in said) == 1, said
+    unread = [message for message in said if "that were not read" in message]
+    assert len(unread) == 1 and "'step': (1, 1, 9, 5) for tokens (B, Lq, Lk) = (1, 5, 5)" in unread[0], said
+
+
 class Beams(StepDecoder):
     """A beam search of width 2 after its first step: the rows change from B to 2 · B."""
 

@@ -107,9 +107,10 @@ class Probe:
         if not self.weights and not self._warned:
             self._warned = True
             rank_zero_warn(
-                "AttentionMonitor: argument `probe_forward` ran the probe batch, but no monitored attention module "
-                "ran in it, so no probe maps are drawn: does it call the model's attention (the modules selected "
-                "by `modules`)?"
+                "AttentionMonitor: argument `probe_forward` ran the probe batch, but no attention of a monitored "
+                "module was read in it, so no probe maps are drawn: does it call the model's attention (the modules "
+                "selected by `modules`)? A decoder loop is read only where its steps make the probe's query stream "
+                "(a softmax that was not read is named in its own warning)."
             )
 
     def _freeze(self, read: Mapping[str, tuple[Tensor, Tensor, Tensor]]) -> None:
