@@ -1,6 +1,7 @@
 """Token ids as a batch holds them: read from dicts, tuples, attributes and callables, checked against the vocabulary
 in every integer dtype, and an iterator of the monitor's own over the validation loaders."""
 
+import re
 from collections import namedtuple
 
 import pytest
@@ -30,6 +31,20 @@ def test_read_stream_errors_name_stream_and_value():
         read_stream({"x": ids.float()}, "s", "x")
     with pytest.raises(RuntimeError, match="callable for stream 's' raised"):
         read_stream({"x": ids}, "s", lambda b: b["nope"])
+
+
+def test_read_stream_key_of_a_tuple_batch_suggests_the_index_of_its_integer_tensors():
+    """TensorDataset batches are lists: the default key "input_ids" cannot be read there, and the error gives the
+    index that would (the 2-D integer tensors' positions), or says an index is needed where there is none."""
+    ids, labels = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(
+        KeyError, match=re.escape("pass an index, as `token_ids=1` (the batch's 2-D integer tensors are at [1, 2])")
+    ):
+        read_stream([torch.randn(2, 3), ids, labels, torch.ones(2)], "s", "input_ids")
+    with pytest.raises(KeyError, match=re.escape("type tuple; pass an index into the batch, or a callable")):
+        read_stream((torch.randn(2, 3),), "s", "input_ids")
+    with pytest.raises(KeyError, match=re.escape("type Tensor; pass a callable")):
+        read_stream(ids, "s", "input_ids")
 
 
 def test_read_mask_is_true_at_nonzero_entries_of_bool_and_integer_masks_in_either_layout():

@@ -100,7 +100,7 @@ def _fetch(batch: Any, stream: str, source: TokenSource, argument: str) -> Tenso
     else:
         raise KeyError(
             f"Cannot read batch key {short_repr(source)} of argument `{argument}` (stream {stream!r}) from a batch of "
-            f"type {type(batch).__name__}; pass a callable batch -> Tensor instead"
+            f"type {type(batch).__name__}; pass {_index_hint(batch, argument)}a callable batch -> Tensor instead"
         )
     if not isinstance(found, Tensor):
         raise ValueError(
@@ -207,3 +207,17 @@ def own_iterator(loader: Any) -> Any:
     return iter(
         DataLoader(loader.dataset, collate_fn=loader.collate_fn, generator=loader.generator, **batching, **workers)
     )
+
+
+def _index_hint(batch: Any, argument: str) -> str:
+    """For a tuple or list batch: the argument given as the index of its first 2-D integer tensor, and where the
+    others are."""
+    if not isinstance(batch, Sequence) or isinstance(batch, str):
+        return ""
+    found = [
+        i for i, item in enumerate(batch)
+        if isinstance(item, Tensor) and item.dim() == 2 and not item.is_floating_point() and not item.is_complex()
+    ]  # fmt: skip
+    if not found:
+        return "an index into the batch, or "
+    return f"an index, as `{argument}={found[0]}` (the batch's 2-D integer tensors are at {found}), or "
