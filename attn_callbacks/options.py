@@ -101,10 +101,12 @@ class MonitorOptions:
             knobs, rather than run out of memory. None for no limit. The figure is logged either way (again when
             it grows: SDPA calls' sums are allocated, and checked, at their first call). The torch step (a GPU; the
             CPU without numba) sums each batch in a transient copy of one module's sums, which the figure leaves out.
-        color_scale: ``"epoch"`` scales each image to its own largest value; ``"shared"`` gives each image tag one
-            scale across epochs, the largest value any monitored epoch has drawn under it so far (kept in
-            checkpoints), so colours compare by eye from epoch to epoch once the scale has settled; images drawn
-            before it last widened keep their narrower scale (every colour bar shows its numbers).
+        color_scale: ``"epoch"`` scales each image to its own largest value, rounded up to a round number (1, 1.2,
+            1.4, 1.6, 2, 2.4, 3, 4, 5, 6 or 8 times a power of 10, so the colour bar's quarter marks read short);
+            ``"shared"`` gives each image tag one scale across epochs, the largest such top any monitored epoch has
+            drawn under it so far (kept in checkpoints), so colours compare by eye from epoch to epoch once the scale
+            has settled; images drawn before it last widened keep their narrower scale (every colour bar shows its
+            numbers).
         limit_batches: monitor only the first this many batches of each evaluation dataloader, then remove the
             hooks (restoring the fused fast path) so the rest runs at full speed: the knob for large validation sets.
             The loader must not shuffle (a warning says so), or drift compares different batches. None for all.

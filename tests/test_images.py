@@ -58,11 +58,11 @@ def test_images_limit_is_none_under_the_epoch_scale():
 
 def test_images_limit_shared_is_the_largest_absolute_value_so_far_per_tag():
     images = Images("shared")
-    assert images.limit("a", np.array([0.2, -0.7, np.nan])) == 0.7
-    assert images.limit("a", np.array([0.5])) == 0.7  # only widens
+    assert images.limit("a", np.array([0.2, -0.7, np.nan])) == 0.8  # rounded up: the bar reads 0.2, 0.4, 0.6
+    assert images.limit("a", np.array([0.5])) == 0.8  # only widens
     assert images.limit("b", np.array([[0.1]])) == 0.1
-    assert images.limit("a", np.array([np.inf, 0.9])) == 0.9  # only finite values count
-    assert images.limits == {"a": 0.9, "b": 0.1}
+    assert images.limit("a", np.array([np.inf, 0.9])) == 1.0  # only finite values count
+    assert images.limits == {"a": 1.0, "b": 0.1}
 
 
 def test_images_limit_shared_of_an_all_blank_image_is_tiny_but_positive():
@@ -109,12 +109,13 @@ def test_images_module_maps_shared_scale_keeps_an_earlier_epochs_top():
     shared, epoch = Images("shared"), Images("epoch")
     for images in (shared, epoch):
         _maps(images, mass=MASS * 1.6)  # epoch 1: top 0.8
-    latest = [_maps(images, mass=MASS / 2)["attention_mass/enc.0"] for images in (shared, epoch)]  # top 0.25
+    latest = [_maps(images, mass=MASS / 2)["attention_mass/enc.0"] for images in (shared, epoch)]  # largest 0.25
     at = figures.heatmap(np.zeros((2, 2)), LABELS, LABELS, "t", "")
-    # Cell (0, 1) holds P[2, 0] / 2 = 0.125: on the shared scale 0.125 / 0.8 of the top, on its own scale a half.
+    # Cell (0, 1) holds P[2, 0] / 2 = 0.125: on the shared scale 0.125 / 0.8 of the top, on its own scale (0.25
+    # rounded up to 0.3) 0.125 / 0.3.
     _assert_colour(_pixel(latest[0], at, 0, 1), _colour("viridis", 0.125 / 0.8))
-    _assert_colour(_pixel(latest[1], at, 0, 1), _colour("viridis", 0.125 / 0.25))
-    _assert_colour(_pixel(latest[1], at, 0, 0), _colour("viridis", 1.0))
+    _assert_colour(_pixel(latest[1], at, 0, 1), _colour("viridis", 0.125 / 0.3))
+    _assert_colour(_pixel(latest[1], at, 0, 0), _colour("viridis", 0.25 / 0.3))
     assert shared.limits["attention_mass/enc.0"] == pytest.approx(0.8)
 
 
@@ -153,7 +154,7 @@ def test_images_metric_grid_follows_the_shared_scale_per_tag_and_suffix():
     _grid(images, {"enc.0": torch.tensor([3.0, 2.0])}, suffix="/dataloader_idx_0")
     _grid(images, {"enc.0": torch.tensor([1.0, 2.5])}, suffix="/dataloader_idx_0")
     _grid(images, {"enc.0": torch.tensor([1.0, 1.5])}, suffix="/dataloader_idx_1")
-    assert images.limits == {"attention_heads/lift/dataloader_idx_0": 3.0, "attention_heads/lift/dataloader_idx_1": 1.5}
+    assert images.limits == {"attention_heads/lift/dataloader_idx_0": 3.0, "attention_heads/lift/dataloader_idx_1": 1.6}
 
 
 def test_images_metric_grid_colours_a_cell_on_the_metrics_range():
@@ -180,9 +181,9 @@ def test_images_probe_maps_draw_the_mean_of_heads_then_every_head():
     images = Images("shared")
     got = images.probe_maps("attention_probe/enc.0", LAYER, weights, [(positions, positions, ["x", "y"], ["x", "y"])])
     (name,) = got
-    assert name == "attention_probe/enc.0/sample_0" and images.limits == {name: pytest.approx(0.9)}
+    assert name == "attention_probe/enc.0/sample_0" and images.limits == {name: 1.0}  # 0.9 rounded up
     at = figures.head_grid(np.zeros((3, 2, 2)), ["x", "y"], ["x", "y"], "t", "")
     mean = {(0, 1): (0.5 + 0.9) / 2, (1, 0): (0.2 + 0.6) / 2}
     for (i, j), value in mean.items():
-        _assert_colour(_pixel(got[name], at, i, j, panel=0), _colour("viridis", value / 0.9))
-    _assert_colour(_pixel(got[name], at, 1, 1, panel=2), _colour("viridis", 0.2 / 0.9))  # head 1
+        _assert_colour(_pixel(got[name], at, i, j, panel=0), _colour("viridis", value))
+    _assert_colour(_pixel(got[name], at, 1, 1, panel=2), _colour("viridis", 0.2))  # head 1
