@@ -310,9 +310,16 @@ def check_tab(context, url: str, records: dict) -> None:
         assert value == pytest.approx(expected(records[epoch], None, TOKEN)["attends to"][top_key][0], **TOLERANCE)
     assert tab.get_by_role("img", name="drift", exact=True).locator("rect[data-js]").count() == 1
 
-    # Scrub to the first epoch, then pick head 1: the lists follow.
+    # Scrub to the first epoch, then pick head 1: the lists follow. The map is redrawn under the still pointer: the
+    # tooltip is the new map's cell (0, 1), not the old one's.
+    hovered = tooltip.inner_text()
     tab.get_by_label("epoch", exact=True).fill("0")
     showing(tab, epoch=0, head="mean")
+    redrawn = heatmap.locator('rect[data-row="0"][data-col="1"]')
+    p = float(redrawn.get_attribute("data-p"))
+    assert tooltip.is_visible() and tooltip.inner_text() != hovered
+    assert f"key {printed(LABELS[int(redrawn.get_attribute('data-key'))])}" in tooltip.inner_text()
+    assert f"P {p * 100:#.3g}%" in tooltip.inner_text()  # as JavaScript's toPrecision(3)
     first_epoch = shown_lists(tab)
     check_lists(first_epoch, expected(records[0], None, TOKEN))
     assert first_epoch != last_epoch

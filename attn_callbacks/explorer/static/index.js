@@ -116,6 +116,11 @@ const ui = {};
 let generation = 0; // bumped per load: answers to an older load are dropped
 let controller = null;
 let scrubTimer = 0;
+// Where the pointer last was in this frame (null: outside it): a heatmap redrawn under a still pointer (a click on a
+// cell, a scrub with the keys) gets the tooltip of the cell now under it, not the old one's.
+let pointer = null;
+document.addEventListener("pointermove", (event) => (pointer = { clientX: event.clientX, clientY: event.clientY }));
+document.documentElement.addEventListener("pointerleave", () => (pointer = null));
 const labelCache = new Map();
 
 export function render() {
@@ -636,7 +641,9 @@ function renderControls() {
   const around = state.token !== null && !isCross();
   ui.map.value = around ? state.map : "top";
   ui.map.disabled = !around;
-  ui.map.title = isCross() ? "cross-attention: a token is on one axis only" : "";
+  ui.map.title = isCross()
+    ? "cross-attention: an id names a query token and a key token, so the map shows the most frequent ones"
+    : "";
   ui.colour.value = state.colour;
   ui.lists.hidden = state.token === null;
 }
@@ -1048,6 +1055,9 @@ function redrawHeatmap() {
     h("span", {}, " · grey: no pair seen · click a cell to search its query token"),
   );
   ui.heatmap.replaceChildren(picture, legend);
+  const under = pointer && document.elementFromPoint(pointer.clientX, pointer.clientY);
+  if (under && picture.contains(under)) heatTooltip({ ...pointer, target: under }, data);
+  else ui.tooltip.hidden = true;
 }
 
 function heatTooltip(event, data) {
