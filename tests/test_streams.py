@@ -62,8 +62,12 @@ def test_resolve_streams_stock_transformer_rules_and_patterns():
     assert resolve_streams(names[:1], model, ["only"]) == {"encoder.layers.0.self_attn": ("only", "only")}
     # one stream named as the decoder's: its self-attention reads it; its cross-attention reads src, not given
     assert resolve_streams(names[1:2], model, ["tgt"]) == {"decoder.layers.0.self_attn": ("tgt", "tgt")}
-    with pytest.raises(ValueError, match="'decoder.layers.0.multihead_attn' is a decoder's cross-attention"):
+    with pytest.raises(ValueError, match="'decoder.layers.0.multihead_attn' is a decoder's cross-attention") as said:
         resolve_streams(names[2:], model, ["tgt"])
+    assert "audio frames or image patches, cannot be mapped to a vocabulary: leave it out" in str(said.value)
+    with pytest.raises(ValueError, match="a decoder's self-attention") as said:
+        resolve_streams(names[1:2], model, ["only"])
+    assert "audio frames" not in str(said.value)
     with pytest.raises(ValueError, match="No token stream for attention module 'decoder.layers.0.self_attn'"):
         resolve_streams(names, model, ["src", "x"])
 

@@ -85,6 +85,12 @@ def _one_stream_message(name: str, role: tuple[str, str], stream: str) -> str:
         f"token_ids={{'src': <source ids' key>, 'tgt': <target ids' key>}}; or, if the decoder reads {stream!r} "
         f"itself (a decoder-only model built from nn.TransformerDecoderLayer), say so: "
         f"attention_streams={{'*': ({stream!r}, {stream!r})}}; or leave the module out with `modules`"
+        + (
+            " (cross-attention over what is not tokens, such as audio frames or image patches, cannot be mapped to "
+            "a vocabulary: leave it out)"
+            if role != ("tgt", "tgt")
+            else ""
+        )
     )
 
 
