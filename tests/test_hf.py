@@ -401,6 +401,18 @@ def generative(kind, attn_implementation):
             num_key_value_heads=2, max_position_embeddings=16, **small,
         )  # fmt: skip
         model_class = transformers.LlamaForCausalLM
+    elif kind in ("gemma3", "gpt_oss"):  # a sliding window of 4 keys in layer 0; gpt-oss: learned sinks too
+        config_class, model_class = {
+            "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        }[kind]
+        experts = {"num_local_experts": 2, "num_experts_per_tok": 1} if kind == "gpt_oss" else {}
+        config = config_class(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            num_key_value_heads=2, head_dim=4, max_position_embeddings=16, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"], **experts, **small,
+        )  # fmt: skip
+        config._experts_implementation = "eager"  # gpt-oss's default experts kernel takes no float64
     elif kind == "t5":
         config = transformers.T5Config(
             d_model=16, d_kv=4, d_ff=32, num_layers=LAYERS, num_heads=HEADS, decoder_start_token_id=PAD, **small
@@ -450,7 +462,7 @@ def eager_weights(kind, model, batch):
         out = twin(**batch, output_attentions=True)
     if kind == "gpt2":
         return {f"model.transformer.h.{i}.attn": w for i, w in enumerate(out.attentions)}
-    if kind == "llama":
+    if kind in ("llama", "gemma3", "gpt_oss"):
         return {f"model.model.layers.{i}.self_attn": w for i, w in enumerate(out.attentions)}
     stack, enc, dec, cross = (
         ("model.{}.block.{}", "layer.0", "layer.0", "layer.1")
@@ -468,7 +480,7 @@ def eager_weights(kind, model, batch):
 @pytest.mark.parametrize(
     ("kind", "attn_implementation"),
     [("gpt2", "sdpa"), ("llama", "sdpa"), ("t5", "sdpa"), ("t5", "eager"), ("bart", "sdpa"), ("bart", "eager"),
-     ("marian", "sdpa")],
+     ("marian", "sdpa"), ("gemma3", "sdpa"), ("gemma3", "eager"), ("gpt_oss", "eager")],
 )  # fmt: skip
 def test_hf_models_log_the_position_statistics_of_their_float64_eager_twin(tmp_path, kind, attn_implementation):
     from _reference import naive_position_sums
@@ -508,6 +520,15 @@ def test_hf_models_log_the_position_statistics_of_their_float64_eager_twin(tmp_p
     logged = {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
     assert {tag.rsplit("/", 1)[-1] for tag in logged if tag.startswith("attention_position/entropy/")} == set(sums)
     for name, position in sums.items():
+        # Σ_i H_i / Σ_i log n_i counts the keys each row sees (n_i): a sliding window's, a causal mask's, the padding's.
+        normalized = position[0] / position[1]
+        assert logged[f"attention_position/entropy_normalized/{name}"] == pytest.approx(
+            float(position[0].mean() / position[1].mean()), abs=1e-4
+        )
+        for h in range(HEADS):
+            assert logged[f"attention_position_heads/entropy_normalized/{name}/head_{h}"] == pytest.approx(
+                float(normalized[h]), abs=1e-4
+            )
         for stat, row in (("entropy", 0), ("previous", 3)):
             heads = position[row] / rows[name]
             assert logged[f"attention_position/{stat}/{name}"] == pytest.approx(float(heads.mean()), abs=1e-4)
