@@ -4,8 +4,6 @@ and the parts the callback's hooks hand work to (token streams, epoch sums, sche
 from __future__ import annotations
 
 import copy
-import difflib
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -151,17 +149,6 @@ class MonitorOptions:
         >>> monitor = AttentionMonitor(vocab_size=100, token_ids="input_ids", ignore_ids=[0])
         >>> trainer = Trainer(callbacks=[monitor])  # doctest: +SKIP
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> MonitorOptions:
-        # Before __init__ binds the arguments: Python's own error would name MonitorOptions.__init__ and guess nothing.
-        known = inspect.signature(cls.__init__).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in known.values()):
-            for name in kwargs:
-                if name not in known:
-                    close = difflib.get_close_matches(name, [p for p in known if p != "self"], n=1)
-                    hint = f"; did you mean `{close[0]}`?" if close else f"; arguments: {', '.join(list(known)[1:])}"
-                    raise TypeError(f"{cls.__name__} got an unexpected argument `{name}`{hint}")
-        return super().__new__(cls)
 
     def __init__(
         self,

@@ -202,13 +202,3 @@ def test_two_monitors_writing_the_same_tags_are_refused_at_setup(tmp_path, first
     monitors = [AttentionMonitor(VOCAB, "input_ids", **first), AttentionMonitor(VOCAB, "input_ids", **second)]
     with pytest.raises(MisconfigurationException, match=f"would both write the tags of prefix '{clash}'"):
         trainer(tmp_path, monitors).validate(TinyEncoder(), make_batches(), verbose=False)
-
-
-def test_a_misspelled_argument_is_named_with_the_closest_one():
-    with pytest.raises(
-        TypeError, match=r"^AttentionMonitor got an unexpected argument `ignore_id`; did you mean `ignore_ids`\?$"
-    ):
-        AttentionMonitor(10, ignore_id=[0])
-    with pytest.raises(TypeError, match=r"`colour`; arguments: vocab_size, token_ids, .*, token_mask$"):
-        AttentionMonitor(10, colour="red")
-    assert AttentionMonitor(10, "ids", ignore_ids=[0]).ignore_ids == [0]  # keywords and positions still bind
