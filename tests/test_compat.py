@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import seed_everything
@@ -18,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALA
 
 from attn_callbacks import load_epoch
 from attn_callbacks.__main__ import main
+from attn_callbacks.output.figures import abs_max
 
 DATA = Path(__file__).resolve().parent / "data"
 EXPECTED = json.loads((DATA / "v0_1_0.json").read_text())
@@ -101,9 +103,12 @@ def test_checkpoint_from_0_1_0_resumes_with_its_reference(resumed):
     new = state["color_limits"].keys() - saved["color_limits"].keys()  # the head grids came after 0.1.0
     assert saved["color_limits"].keys() <= state["color_limits"].keys()
     assert all(tag.startswith("attention_heads/") for tag in new)
+    # This version rounds a scale's top up (figures.abs_max): a scale the resumed epochs widened is 0.1.0's rounded
+    # up; one they did not is the checkpoint's, or at most its rounded top.
     for tag, limit in saved["color_limits"].items():
-        limit = state["color_limits"][tag]
-        assert limit >= saved["color_limits"][tag] and close(limit, expected["color_limits"][tag]), tag
+        limit, before, after = state["color_limits"][tag], saved["color_limits"][tag], expected["color_limits"][tag]
+        rounded = abs_max(np.array([after]))
+        assert limit >= before and (close(limit, rounded) if after > before else before <= limit <= rounded), tag
 
     # The drift 0.1.0 logged for epoch 2 against epoch 1 (prev) and epoch 0 (ref), per layer.
     drift = {tag: v for tag, v in EXPECTED["resumed"]["callback_metrics"].items() if tag.startswith("attention_drift/")}

@@ -183,7 +183,8 @@ _ROUND_TOPS = (1.0, 1.2, 1.4, 1.6, 2.0, 2.4, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
 def abs_max(matrix: np.ndarray) -> float:
     """The default top of a colour scale: the largest finite absolute value (at least a tiny positive number; NaN
     cells are drawn blank), rounded up to a number whose quarters read short on the bar (0.894 -> 1, so the marks
-    read 0.25, 0.5, 0.75, 1; 1.81 -> 2). The colours then use at least 80% of the scale."""
+    read 0.25, 0.5, 0.75, 1; 1.81 -> 2). The colours then use at least 75% of the scale
+    (3.01 -> 4)."""
     finite = np.abs(matrix[np.isfinite(matrix)])
     top = max(float(finite.max()) if finite.size else 0.0, 1e-12)
     power = 10.0 ** math.floor(math.log10(top))
@@ -245,7 +246,7 @@ def head_grid(
         colorbar_label: what the colour means.
         titles: one title per panel; ``head 0``, ``head 1`` ... if None.
         diverging: a red/blue scale centred on 0.
-        vmax: top of the shared colour scale (symmetric limit when diverging); the largest value if None.
+        vmax: top of the shared colour scale (symmetric limit when diverging); :func:`abs_max` if None.
     """
     heads = matrices.shape[0]
     titles = [f"head {h}" for h in range(heads)] if titles is None else list(titles)
@@ -318,7 +319,7 @@ def value_grid(
         col_labels: ``C`` column labels.
         title: figure title.
         colorbar_label: what the colour and the numbers mean.
-        vmax: top of the colour scale; the largest value if None.
+        vmax: top of the colour scale; :func:`abs_max` if None.
         groups: rows where a new group starts: a white line is drawn above each.
         axis_names: the (rows, columns) axis names.
     """

@@ -25,8 +25,9 @@ class Images:
     returns the jobs that draw its pictures instead of their RGBA arrays; the colour limits are kept here either way.
 
     Args:
-        color_scale: ``"epoch"`` scales each image to its own largest value; ``"shared"`` gives each image tag the
-            largest value any epoch drew under it so far.
+        color_scale: ``"epoch"`` scales each image to its own largest value, rounded up
+            (:func:`~attn_callbacks.output.figures.abs_max`); ``"shared"`` gives each image tag the largest such top
+            any epoch drew under it so far.
     """
 
     def __init__(self, color_scale: str = "epoch") -> None:
@@ -38,8 +39,8 @@ class Images:
         return {**self.__dict__, "figures": FigureCache()}  # a cache, rebuilt where needed
 
     def limit(self, tag: str, values: np.ndarray) -> float | None:
-        """Top of an image's colour scale: its own largest value (``"epoch"``), or the largest any epoch drew under
-        this tag so far (``"shared"``: the scale only widens, so maps of later epochs compare by eye)."""
+        """Top of an image's colour scale: None for its own (``"epoch"``), or the largest rounded top any epoch drew
+        under this tag so far (``"shared"``: the scale only widens, so maps of later epochs compare by eye)."""
         if self.color_scale == "epoch":
             return None
         limit = max(self.limits.get(tag, 0.0), abs_max(values))
