@@ -34,17 +34,21 @@ def test_read_stream_errors_name_stream_and_value():
 
 
 def test_read_stream_key_of_a_tuple_batch_suggests_the_index_of_its_integer_tensors():
-    """TensorDataset batches are lists: the default key "input_ids" cannot be read there, and the error gives the
-    index that would (the 2-D integer tensors' positions), or says an index is needed where there is none."""
+    """TensorDataset batches are lists: the default key "input_ids" cannot be read there, and the error says where
+    the 2-D integer tensors are (not bool ones: a mask), or that an index is needed where there is none; a mask's
+    argument gets no guess (a mask cannot be told from ids by its type)."""
     ids, labels = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
-    with pytest.raises(
-        KeyError, match=re.escape("pass an index, as `token_ids=1` (the batch's 2-D integer tensors are at [1, 2])")
-    ):
-        read_stream([torch.randn(2, 3), ids, labels, torch.ones(2)], "s", "input_ids")
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    hint = "pass the index of the ids instead of a key (the batch's 2-D integer tensors are at [2, 3]), or a callable"
+    with pytest.raises(KeyError, match=re.escape(hint)):
+        read_stream([torch.randn(2, 3), mask, ids, labels, torch.ones(2)], "s", "input_ids")
     with pytest.raises(KeyError, match=re.escape("type tuple; pass an index into the batch, or a callable")):
-        read_stream((torch.randn(2, 3),), "s", "input_ids")
+        read_stream((torch.randn(2, 3), mask), "s", "input_ids")
     with pytest.raises(KeyError, match=re.escape("type Tensor; pass a callable")):
         read_stream(ids, "s", "input_ids")
+    with pytest.raises(KeyError, match=re.escape("`token_mask` (stream 's') from a batch of type list; pass an index "
+                                                 "into the batch, or a callable")):  # fmt: skip
+        read_mask([ids, mask], "s", "attention_mask", ids.shape)
 
 
 def test_read_mask_is_true_at_nonzero_entries_of_bool_and_integer_masks_in_either_layout():

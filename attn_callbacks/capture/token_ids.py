@@ -210,14 +210,15 @@ def own_iterator(loader: Any) -> Any:
 
 
 def _index_hint(batch: Any, argument: str) -> str:
-    """For a tuple or list batch: the argument given as the index of its first 2-D integer tensor, and where the
-    others are."""
+    """For a tuple or list batch read by ``token_ids``: where its 2-D integer (not bool) tensors are, the candidates
+    for the index to pass. A mask cannot be told from ids by its type: for other arguments, no guess."""
     if not isinstance(batch, Sequence) or isinstance(batch, str):
         return ""
     found = [
         i for i, item in enumerate(batch)
         if isinstance(item, Tensor) and item.dim() == 2 and not item.is_floating_point() and not item.is_complex()
+        and item.dtype != torch.bool
     ]  # fmt: skip
-    if not found:
+    if argument != "token_ids" or not found:
         return "an index into the batch, or "
-    return f"an index, as `{argument}={found[0]}` (the batch's 2-D integer tensors are at {found}), or "
+    return f"the index of the ids instead of a key (the batch's 2-D integer tensors are at {found}), or "
