@@ -342,6 +342,7 @@ class AttentionMonitor(MonitorOptions, Callback):
             self._sums.allocate(name, self._shapes()[name], weights.device)
         streams = self._streams.of[name]
         query, key = self._streams.read_pair(name, streams, weights, rows, batch)
+        self._report.warnings.row_mass(name, weights, query[1])
         self._probe.keep(name, weights, rows)
         if not self._probe.only:
             other = self._streams.other_cell(streams)

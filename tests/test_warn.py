@@ -67,3 +67,25 @@ def test_warnings_say_which_kept_epochs_drift_cannot_compare_against():
     (message,) = caught(lambda: Warnings(0).incomparable("enc", (2, 5, 5), [(3, (2, 4, 4)), (0, (2, 4, 4))]))
     assert "'enc' now gives P of shape (2, 5, 5)" in message
     assert "another (epoch 3: (2, 4, 4), epoch 0: (2, 4, 4))" in message
+
+
+def test_warnings_name_the_first_module_whose_rows_do_not_sum_to_1_once():
+    """Rows of valid queries only (a padded query's row and an all-zero or NaN row do not count), checked once per
+    module, said once for the model: learned sinks leave each row short of 1."""
+    softmax = torch.softmax(torch.randn(2, 3, 4, 5, dtype=torch.float64), dim=-1)
+    valid = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    sinks = softmax * torch.linspace(0.6, 0.9, 4, dtype=torch.float64)[:, None]  # row i keeps 0.6 ... 0.9
+    sinks[0, :, 3] = softmax[0, :, 3]  # a padded query: its row does not count
+    sinks[1, 0, 0] = 0.0  # an all-zero row (dropped from the sums): does not count
+    sinks[1, 1, 0] = float("nan")
+    said = Warnings(0.1)
+    padded = softmax.clone()
+    padded[0, :, 3] = 0.25  # a padded query's row, summing to 1.25: not a valid query, not looked at
+    assert caught(lambda: said.row_mass("ok", padded, valid)) == []
+    (first,) = caught(lambda: said.row_mass("sinks", sinks, valid))
+    assert "module 'sinks' sum to 0.6–0.8 over the keys of a row, not 1" in first and "gpt-oss" in first
+    assert caught(lambda: said.row_mass("more", sinks * 0.5, valid)) == []  # said once for the model
+    assert caught(lambda: Warnings(0.1).row_mass("ok", sinks, torch.zeros(2, 4, dtype=torch.bool))) == []
+    (over,) = caught(lambda: Warnings(0.1).row_mass("over", softmax * 1.02, valid))
+    assert "sum to 1.02–1.02" in over
+    assert caught(lambda: Warnings(0.1).row_mass("fine", softmax.float(), valid)) == []  # float32 rounding

@@ -208,6 +208,30 @@ class Warnings:
                 "out? NaN or inf in the model, a float16 overflow say?) and were left out of the sums",
             )
 
+    def row_mass(self, name: str, weights: Tensor, query_valid: Tensor) -> None:
+        """Once per module, at its first call: whether its weights ``(b, H, Lq, Lk)`` sum to 1 over the keys in every
+        row of a valid query (``(b, Lq)``); said for the first module whose do not. Learned attention sinks (gpt-oss:
+        one more logit per head in the softmax, its column dropped) send a share of each row to no token. One sync
+        with the device per module, until the warning is said."""
+        if "mass" in self._said or f"mass:{name}" in self._said:
+            return
+        sums = weights.detach().sum(dim=-1, dtype=torch.float64)  # (b, H, Lq)
+        rows = sums[query_valid[:, None, :].expand_as(sums) & torch.isfinite(sums) & (sums > 0)]
+        if rows.numel() == 0:  # nothing to look at in this call: the next one is
+            return
+        self._said.add(f"mass:{name}")
+        low, high = torch.stack(rows.aminmax()).tolist()
+        if low < 0.99 or high > 1.01:  # once for the model: a model with sinks has them in every layer
+            self.once(
+                "mass",
+                f"AttentionMonitor: the attention weights of module {name!r} sum to {low:.3g}–{high:.3g} over the "
+                "keys of a row, not 1 (other modules may too; this is said once): its softmax also covers something "
+                "that is no key (learned attention sinks, as gpt-oss's), or the weights were changed after it. P's "
+                "rows sum to that share, and the statistics of the weights as they are (lift, the position shares "
+                "self / previous / next, the distance, the sink mass) read lower (or higher) by it; entropy and drift "
+                "renormalise each row.",
+            )
+
     def hidden_keys(
         self, name: str, stream: str, pair_count: Tensor, uniform_sum: Tensor, label: Callable[[list[int]], list[str]]
     ) -> None:
