@@ -78,19 +78,20 @@ def resolve_streams(
 
 
 def _one_stream_message(name: str, role: tuple[str, str], stream: str) -> str:
-    kind = "self-attention" if role == ("tgt", "tgt") else "cross-attention (target → source)"
-    return (
-        f"Attention module {name!r} is a decoder's {kind}: its queries are target tokens, but `token_ids` names one "
-        f"stream, {stream!r}, whose ids its weights would be mapped to. Name both streams, as `forward` takes them: "
-        f"token_ids={{'src': <source ids' key>, 'tgt': <target ids' key>}}; or, if the decoder reads {stream!r} "
-        f"itself (a decoder-only model built from nn.TransformerDecoderLayer), say so: "
-        f"attention_streams={{'*': ({stream!r}, {stream!r})}}; or leave the module out with `modules`"
-        + (
-            " (cross-attention over what is not tokens, such as audio frames or image patches, cannot be mapped to "
-            "a vocabulary: leave it out)"
-            if role != ("tgt", "tgt")
-            else ""
+    both = "token_ids={'src': <source ids' key>, 'tgt': <target ids' key>}"
+    if role == ("tgt", "tgt"):
+        return (
+            f"Attention module {name!r} is a decoder's self-attention: its queries are target tokens, but `token_ids` "
+            f"names one stream, {stream!r}, whose ids its weights would be mapped to. Name both streams, as `forward` "
+            f"takes them: {both}; or, if the decoder reads {stream!r} itself (a decoder-only model built from "
+            f"nn.TransformerDecoderLayer), say so: attention_streams={{'*': ({stream!r}, {stream!r})}}; or leave the "
+            "module out with `modules`"
         )
+    return (
+        f"Attention module {name!r} is a decoder's cross-attention (target → source): its queries are target tokens "
+        f"and its keys source tokens, but `token_ids` names one stream, {stream!r}. Name both streams, as `forward` "
+        f"takes them: {both}; or leave the module out with `modules` (cross-attention over what is not tokens, such "
+        "as audio frames or image patches, cannot be mapped to a vocabulary)"
     )
 
 
