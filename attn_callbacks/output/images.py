@@ -113,7 +113,13 @@ class Images:
         # log2 lift, blank where the pair was never visible (U = 0: no evidence either way). C counts pairs a mask hid
         # too (a causal model's later keys): their lift 0 would paint a saturated -20 and stretch the scale.
         log_lift = torch.where(uniform_sum[block] > 0, torch.log2(lifts.clamp(min=1e-6)), float("nan"))
-        draw("lift_map", log_lift, "log2 lift over uniform attention (red: more than chance)", "log2(S / U)", True)
+        draw(
+            "lift_map",
+            log_lift,
+            "log2 lift over uniform attention (red: more than chance)",
+            "log2(S / U): 1 = twice chance",
+            True,
+        )
         if reference_mass is not None:
             ref_mass = reference_mass[rows.cpu()[:, None], cols.cpu()].to(mass.device)
             draw(
