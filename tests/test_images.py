@@ -63,6 +63,8 @@ def test_images_limit_shared_is_the_largest_absolute_value_so_far_per_tag():
     assert images.limit("b", np.array([[0.1]])) == 0.1
     assert images.limit("a", np.array([np.inf, 0.9])) == 1.0  # only finite values count
     assert images.limits == {"a": 1.0, "b": 0.1}
+    images.limits["old"] = 0.7  # an unrounded top, as a checkpoint of an older version holds: rounded up too
+    assert images.limit("old", np.array([0.1])) == 0.8 and images.limits["old"] == 0.8
 
 
 def test_images_limit_shared_of_an_all_blank_image_is_tiny_but_positive():

@@ -43,7 +43,8 @@ class Images:
         under this tag so far (``"shared"``: the scale only widens, so maps of later epochs compare by eye)."""
         if self.color_scale == "epoch":
             return None
-        limit = max(self.limits.get(tag, 0.0), abs_max(values))
+        # A top kept by an older version (a checkpoint) is rounded up as a new one is.
+        limit = max(abs_max(np.array([self.limits.get(tag, 0.0)])), abs_max(values))
         self.limits[tag] = limit
         return limit
 
