@@ -268,6 +268,7 @@ def test_default_colour_scale_is_the_largest_finite_value_rounded_up_so_its_quar
     finite = np.abs(np.array(values)[np.isfinite(values)])
     assert finite.max() <= got <= 4 / 3 * max(finite.max(), 1e-12)
     assert all(len(number.lstrip("-")) <= 5 for number in figures.bar_labels(got, True)), figures.bar_labels(got, True)
+    assert figures.abs_max(np.array([1.7e308])) == 1.7e308  # near float64's largest: kept, not rounded up to inf
 
 
 @pytest.mark.parametrize(("diverging", "limit"), [(False, 0.213), (True, 1.23e-05), (True, 1.23e100)])

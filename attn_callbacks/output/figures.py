@@ -183,13 +183,13 @@ _ROUND_TOPS = (1.0, 1.2, 1.4, 1.6, 2.0, 2.4, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
 def abs_max(matrix: np.ndarray) -> float:
     """The default top of a colour scale: the largest finite absolute value (at least a tiny positive number; NaN
     cells are drawn blank), rounded up to a number whose quarters read short on the bar (0.894 -> 1, so the marks
-    read 0.25, 0.5, 0.75, 1; 1.81 -> 2). The colours then use at least 75% of the scale
-    (3.01 -> 4)."""
+    read 0.25, 0.5, 0.75, 1; 1.81 -> 2). The colours then use at least 75% of the scale (3.01 -> 4)."""
     finite = np.abs(matrix[np.isfinite(matrix)])
     top = max(float(finite.max()) if finite.size else 0.0, 1e-12)
     power = 10.0 ** math.floor(math.log10(top))
     # A relative 1e-5 is allowed (float32 rounding, invisible in 256 colours): 0.5 - 0.45 in float32 tops at 0.05.
-    return next(float(f"{m * power:.3g}") for m in _ROUND_TOPS if m * power >= top * (1 - 1e-5))
+    rounded = next(float(f"{m * power:.3g}") for m in _ROUND_TOPS if m * power >= top * (1 - 1e-5))
+    return rounded if math.isfinite(rounded) else top  # near float64's largest, rounding up would overflow
 
 
 def heatmap(
