@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-VOCAB, D_MODEL, HEADS, LAYERS, FEEDFORWARD, BATCH, LENGTH = 8000, 256, 8, 4, 1024, 32, 128
+from _presets import BATCH, D_MODEL, FEEDFORWARD, HEADS, LAYERS, LENGTH, VOCAB
 
 
 class Encoder(LightningModule):

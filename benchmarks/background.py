@@ -17,10 +17,26 @@ import statistics
 import tempfile
 import time
 
+from _presets import PRESETS
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--train-batches", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--preset", default="stress", choices=sorted(PRESETS))
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = arguments()  # before the imports below, so that --help needs nothing but Python
+
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
-from overhead import PRESETS, summary
+from overhead import summary
 from torch import nn
 
 from _workload import Encoder, device_label, quiet, token_ids
@@ -84,14 +100,7 @@ def fit(background: bool, args, shapes, tracked, train, val) -> tuple[float, flo
         return time.perf_counter() - start, statistics.median(clock.epoch_ends), clock.steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--train-batches", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--preset", default="stress", choices=sorted(PRESETS))
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     quiet()
     vocab, d_model, heads, layers, feedforward, batch, length, tracked = PRESETS[args.preset]
     shapes = {"vocab": vocab, "d_model": d_model, "heads": heads, "layers": layers, "feedforward": feedforward}
@@ -114,4 +123,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

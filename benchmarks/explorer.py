@@ -19,6 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modules", type=int, default=12, help="attention modules (views) in the run")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs written per module")
+    parser.add_argument("--queries", type=int, default=50, help="requests timed per route")
+    parser.add_argument("--quick", action="store_true", help="2 modules, 2 epochs, 3 queries: a smoke run")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = arguments()  # before the imports below, so that --help needs nothing but Python
+
 import numpy as np
 from tensorboard import default, program
 from tensorboard.backend import application
@@ -82,13 +95,7 @@ def summary(values: list[float]) -> str:
     return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modules", type=int, default=12, help="attention modules (views) in the run")
-    parser.add_argument("--epochs", type=int, default=10, help="epochs written per module")
-    parser.add_argument("--queries", type=int, default=50, help="requests timed per route")
-    parser.add_argument("--quick", action="store_true", help="2 modules, 2 epochs, 3 queries: a smoke run")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     if args.quick:
         args.modules, args.epochs, args.queries = 2, 2, 3
     rng = np.random.default_rng(0)
@@ -127,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

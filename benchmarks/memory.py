@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from attn_callbacks.base.config import format_bytes, parse_bytes
-from attn_callbacks.sums.accumulator import AttentionAccumulator
-
 MODULES, HEADS, TRACKED = 4, 8, 2048
 VOCABS = "1000,8000,30522,50257"
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="1GiB", help="memory_budget to compare with (default 1GiB)")
     parser.add_argument("--vocabs", default=VOCABS, help=f"comma-separated vocabulary sizes (default {VOCABS})")
@@ -27,17 +24,29 @@ def main() -> None:
         "--measure-up-to", default="4GiB", help="allocate the states of configurations up to this size (default 4GiB)"
     )
     args = parser.parse_args()
-    budget = parse_bytes("budget", args.budget)
-    measure_up_to = parse_bytes("measure_up_to", args.measure_up_to)
     try:
         vocabs = [int(v) for v in args.vocabs.split(",")]
     except ValueError:
         parser.error(f"--vocabs: expected comma-separated positive integers, got {args.vocabs!r}")
     if min(vocabs) < 1:
         parser.error(f"--vocabs: expected comma-separated positive integers, got {args.vocabs!r}")
+    args.vocabs = vocabs
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = arguments()  # before the imports below, so that --help needs nothing but Python
+
+from attn_callbacks.base.config import format_bytes, parse_bytes
+from attn_callbacks.sums.accumulator import AttentionAccumulator
+
+
+def main(args: argparse.Namespace) -> None:
+    budget = parse_bytes("budget", args.budget)
+    measure_up_to = parse_bytes("measure_up_to", args.measure_up_to)
     print(f"{MODULES} attention modules x {HEADS} heads; memory_budget {format_bytes(budget)}")
     print(f"{'vocabulary':>10} {'configuration':44} {'bytes':>12} {'allocated':>12} {'vs budget':>10}")
-    for vocab in vocabs:
+    for vocab in args.vocabs:
         tracked = min(vocab, TRACKED + 1)  # K ids + <other>
         configs = [
             ("dense, per head", vocab, False),
@@ -57,4 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

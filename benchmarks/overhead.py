@@ -50,37 +50,56 @@ import resource
 import statistics
 import time
 
+from _presets import PRESETS
+
+# --configs name -> (the configuration's name in the output, the monitor's arguments)
+CONFIGS = {
+    "per-head": ("monitor", {}),
+    "mean": ("monitor per_head=False", {"per_head": False}),
+    "no-explorer": ("monitor explorer=False", {"explorer": False}),
+    "compiled": ("monitor compile_step=True", {"compile_step": True}),
+    "background": ("monitor draw_in_background", {"draw_in_background": True}),
+    "in-process": ("monitor drawn in process", {"draw_in_background": False}),
+}
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (interleaved)")
+    parser.add_argument(
+        "--models", default="stress,heavy,sdpa", help="comma-separated: stress, heavy, sdpa, hand (written out)"
+    )
+    parser.add_argument("--preset", default="stress", choices=sorted(PRESETS), help="the models' shapes")
+    parser.add_argument(
+        "--configs",
+        default="per-head,mean",
+        help="comma-separated: per-head (the default), mean (per_head=False), no-explorer (explorer=False: "
+        "with per-head, what writing the Attention tab's data costs), compiled (compile_step=True), background "
+        "(draw_in_background=True), in-process (draw_in_background=False)",
+    )
+    args = parser.parse_args()
+    chosen = tuple(args.configs.split(","))
+    unknown = [key for key in chosen if key not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: expected a comma-separated choice of {', '.join(CONFIGS)}, got {args.configs!r}")
+    args.configs = chosen
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = arguments()  # before the imports below, so that --help needs nothing but Python
+
 import torch
 from lightning.pytorch import Callback
 
-from _workload import (
-    BATCH,
-    D_MODEL,
-    FEEDFORWARD,
-    HEADS,
-    LAYERS,
-    LENGTH,
-    VOCAB,
-    Encoder,
-    SdpaEncoder,
-    device_label,
-    nudge,
-    quiet,
-    token_ids,
-    validate,
-)
+from _workload import Encoder, SdpaEncoder, device_label, nudge, quiet, token_ids, validate
 from attn_callbacks import AttentionMonitor
 from attn_callbacks.capture.find import find_attention_modules
 from attn_callbacks.capture.hooks import AttentionCapture
 from attn_callbacks.sums.step_compiled import compile_failed
 
 WARM_UP_EPOCHS = 3
-# name -> (vocabulary, d_model, heads, layers, feed-forward, batch, length, tracked ids)
-PRESETS = {
-    "stress": (VOCAB, D_MODEL, HEADS, LAYERS, FEEDFORWARD, BATCH, LENGTH, 2048),
-    "bert-base": (30522, 768, 12, 12, 3072, BATCH, LENGTH, 1024),
-    "tiny": (64, 32, 2, 1, 64, 4, 16, 32),
-}
 
 
 class WeightsReader(Callback):
@@ -132,17 +151,6 @@ def timed(model: Encoder | SdpaEncoder, batches: list[dict], callbacks: list) ->
     return validate(model, batches, callbacks)[0]
 
 
-# --configs name -> (the configuration's name in the output, the monitor's arguments)
-CONFIGS = {
-    "per-head": ("monitor", {}),
-    "mean": ("monitor per_head=False", {"per_head": False}),
-    "no-explorer": ("monitor explorer=False", {"explorer": False}),
-    "compiled": ("monitor compile_step=True", {"compile_step": True}),
-    "background": ("monitor draw_in_background", {"draw_in_background": True}),
-    "in-process": ("monitor drawn in process", {"draw_in_background": False}),
-}
-
-
 def run(
     model: Encoder | SdpaEncoder,
     batches: list[dict],
@@ -190,26 +198,8 @@ def run(
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (interleaved)")
-    parser.add_argument(
-        "--models", default="stress,heavy,sdpa", help="comma-separated: stress, heavy, sdpa, hand (written out)"
-    )
-    parser.add_argument("--preset", default="stress", choices=sorted(PRESETS), help="the models' shapes")
-    parser.add_argument(
-        "--configs",
-        default="per-head,mean",
-        help="comma-separated: per-head (the default), mean (per_head=False), no-explorer (explorer=False: "
-        "with per-head, what writing the Attention tab's data costs), compiled (compile_step=True), background "
-        "(draw_in_background=True), in-process (draw_in_background=False)",
-    )
-    args = parser.parse_args()
-    chosen = tuple(args.configs.split(","))
-    unknown = [key for key in chosen if key not in CONFIGS]
-    if unknown:
-        parser.error(f"--configs: expected a comma-separated choice of {', '.join(CONFIGS)}, got {args.configs!r}")
+def main(args: argparse.Namespace) -> None:
+    chosen = args.configs
     quiet()
     vocab, d_model, heads, layers, feedforward, batch, length, tracked = PRESETS[args.preset]
     print(
@@ -238,4 +228,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -22,8 +22,24 @@ import platform
 from collections.abc import Callable
 from typing import Any
 
+from _presets import PRESETS
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="stress", choices=sorted(PRESETS), help="the model's shapes")
+    parser.add_argument("--model", default="heavy", choices=("stress", "heavy", "sdpa"))
+    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
+    parser.add_argument("--mean-of-heads", action="store_true", help="per_head=False")
+    parser.add_argument("--rows", type=int, default=25, help="ops listed")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = arguments()  # before the imports below, so that --help needs nothing but Python
+
 import torch
-from overhead import PRESETS, WeightsReader
+from overhead import WeightsReader
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from _workload import Encoder, SdpaEncoder, device_label, nudge, quiet, token_ids, validate
@@ -67,14 +83,7 @@ def range_times(prof: profile, on_device: bool) -> dict[str, tuple[float, float]
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="stress", choices=sorted(PRESETS), help="the model's shapes")
-    parser.add_argument("--model", default="heavy", choices=("stress", "heavy", "sdpa"))
-    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
-    parser.add_argument("--mean-of-heads", action="store_true", help="per_head=False")
-    parser.add_argument("--rows", type=int, default=25, help="ops listed")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     quiet()
     vocab, d_model, heads, layers, feedforward, batch, length, tracked = PRESETS[args.preset]
     on_device = torch.cuda.is_available()
@@ -121,4 +130,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

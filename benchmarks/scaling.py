@@ -21,6 +21,19 @@ import statistics
 import time
 from collections.abc import Callable
 
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one step")
+    parser.add_argument(
+        "--quick", action="store_true", help="the base rows and the last section at a small base shape only"
+    )
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = arguments()  # before the imports below, so that --help needs nothing but Python
+
 import torch
 
 from _workload import best_of, device_label
@@ -156,13 +169,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}" if seconds >= 1e-3 else f"{seconds * 1e3:.3f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one step")
-    parser.add_argument(
-        "--quick", action="store_true", help="the base rows and the last section at a small base shape only"
-    )
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     base = QUICK_BASE if args.quick else BASE
     print(
         f"accumulate_attention, one module and batch; torch {torch.__version__}, "
@@ -198,4 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -20,6 +20,19 @@ import statistics
 import time
 from collections.abc import Callable
 
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=50, help="timed calls per figure, after 5 untimed (default 50)")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected a positive integer, got {args.repeats}")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = arguments()  # before the imports below, so that --help needs nothing but Python
+
 import torch
 
 BATCH, LENGTH, CHANNELS, VOCAB, FULL_VOCAB = 32, 128, 13, 1025, 30522
@@ -53,12 +66,7 @@ def milliseconds(fn: Callable[[], object], device: torch.device, repeats: int = 
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=50, help="timed calls per figure, after 5 untimed (default 50)")
-    args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats: expected a positive integer, got {args.repeats}")
+def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator().manual_seed(0)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -103,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -45,8 +45,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from _presets import PRESETS
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, interleaved (at least 3 for a verdict)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run whose figures mean nothing")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = arguments()  # before the imports below, so that --help needs nothing but Python
+
 import torch
-from overhead import PRESETS
 
 from _workload import Encoder, device_label, nudge, quiet, token_ids
 from attn_callbacks.base.numba_loader import NUMBA_SWITCH, uses_numba
@@ -341,13 +356,7 @@ def load() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, interleaved (at least 3 for a verdict)")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run whose figures mean nothing")
-    args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
+def main(args: argparse.Namespace) -> None:
     quiet()
     before = load()
     switch = os.environ.get(NUMBA_SWITCH)
@@ -384,4 +393,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)
