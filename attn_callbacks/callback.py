@@ -172,7 +172,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         per_loader, merged = self._sums.collect()  # a collective under DDP
         # A module whose every row was dropped (NaN weights) still reports its skipped rows, and warns.
         if not any(int(stats.query_count.sum()) or int(stats.skipped_rows) for stats in merged.values()):
-            self._report.warnings.nothing_seen(self._monitored_batches, len(silent) < len(self._sites.modules))
+            self._report.warnings.nothing_seen(self._monitored_batches, any(self._capture.calls.values()))
         else:
             exported = None
             try:

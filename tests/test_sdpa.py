@@ -1189,6 +1189,31 @@ def test_decoder_loop_that_does_not_fit_a_probe_batch_of_ones_own_is_named_with_
     assert len(unread) == 1 and "'step': (1, 1, 9, 5) for tokens (B, Lq, Lk) = (1, 5, 5)" in unread[0], said
 
 
+class OnlyStepping(LightningModule):
+    """A decoder loop and nothing else: the model's only attention."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.emb, self.step = nn.Embedding(12, 16), step
+
+    def validation_step(self, batch, batch_idx):
+        self.step(self.emb(batch["ids"]))
+
+
+def test_an_epoch_where_no_attention_was_read_is_explained_by_the_modules_not_the_tokens(tmp_path):
+    """Nothing read because the only module's loop does not make the query stream: the warning names the loop, and
+    none blames the tokens (``ignore_ids``, ``token_mask``) for the empty epoch."""
+    with pytest.warns(UserWarning) as caught:
+        Trainer(
+            default_root_dir=tmp_path, accelerator=ACCELERATOR, logger=TensorBoardLogger(tmp_path, name="tb"),
+            callbacks=[AttentionMonitor(vocab_size=12, token_ids="ids")], enable_progress_bar=False,
+            enable_model_summary=False,
+        ).validate(OnlyStepping(StepDecoder(steps=8)), DataLoader(gpt_batches(), batch_size=None))  # fmt: skip
+    said = [str(w.message) for w in caught]
+    assert sum("'step': (3, 1, 8, 9) for tokens (B, Lq, Lk) = (3, 9, 9)" in message for message in said) == 1, said
+    assert not [message for message in said if "no valid query token" in message], said
+
+
 class Beams(StepDecoder):
     """A beam search of width 2 after its first step: the rows change from B to 2 · B."""
 

@@ -25,11 +25,11 @@ def test_warnings_warns_of_silent_modules_once_per_set_of_names():
 
 def test_warnings_says_why_an_epoch_has_nothing_to_log():
     said = Warnings(0.1)
-    assert "no batch ran" in caught(lambda: said.nothing_seen(0, some_module_ran=False))[0]
-    (why,) = caught(lambda: said.nothing_seen(2, some_module_ran=True))
+    assert "no batch ran" in caught(lambda: said.nothing_seen(0, some_module_read=False))[0]
+    (why,) = caught(lambda: said.nothing_seen(2, some_module_read=True))
     assert "every id in `ignore_ids`, or masked by `token_mask`?" in why
-    assert caught(lambda: said.nothing_seen(2, some_module_ran=True)) == []  # once
-    assert caught(lambda: Warnings(0.1).nothing_seen(2, some_module_ran=False)) == []  # silent modules said so
+    assert caught(lambda: said.nothing_seen(2, some_module_read=True)) == []  # once
+    assert caught(lambda: Warnings(0.1).nothing_seen(2, some_module_read=False)) == []  # silent modules said so
 
 
 def test_warnings_on_generate_count_the_calls_and_say_what_was_not_seen():

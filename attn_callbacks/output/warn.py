@@ -142,15 +142,16 @@ class Warnings:
                 "module's forward so that it is found.",
             )
 
-    def nothing_seen(self, batches: int, some_module_ran: bool) -> None:
-        """A monitored epoch has nothing to log, and why."""
+    def nothing_seen(self, batches: int, some_module_read: bool) -> None:
+        """A monitored epoch has nothing to log, and why (where no module's weights were read, the warnings about
+        those modules said so)."""
         if not batches:
             self.once(
                 "no_batches",
                 "AttentionMonitor: no batch ran in this monitored epoch (empty dataloaders?), so nothing is logged "
                 "for it.",
             )
-        elif some_module_ran:  # its every query token was ignored
+        elif some_module_read:  # its every query token was ignored
             self.once(
                 "empty",
                 "AttentionMonitor: no valid query token was seen in this epoch (every id in `ignore_ids`, or masked by "
