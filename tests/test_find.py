@@ -1,5 +1,7 @@
 """Finding attention modules: what is found, the names wrappers leave, the errors that name the pattern, the device."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -69,6 +71,22 @@ class BySoftmaxChild(nn.Module):  # lucidrains: einsum and an nn.Softmax
         return self.attend(torch.einsum("bhid,bhjd->bhij", q, k))
 
 
+def logged(forward):
+    """A decorator of the usual kind (``functools.wraps``): the wrapper's own code names no softmax or product."""
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+class Decorated(nn.Module):  # a decorated forward: its wrapped code is read
+    @logged
+    def forward(self, q, k):
+        return (q @ k.transpose(-2, -1)).softmax(dim=-1)
+
+
 class Router(nn.Module):
     """A softmax without a matrix product of the module's own: a mixture-of-experts gate, not attention."""
 
@@ -94,9 +112,9 @@ class Sampler(nn.Module):
 
 def test_attention_computed_by_hand_is_found_by_its_softmax_and_product_never_a_holder_or_a_gate():
     found = find_attention_modules(
-        nn.ModuleDict({"sampler": Sampler(), "helper": ByHelper(), "child": BySoftmaxChild()})
+        nn.ModuleDict({"sampler": Sampler(), "helper": ByHelper(), "child": BySoftmaxChild(), "decorated": Decorated()})
     )
-    assert list(found) == ["sampler.attn", "helper", "child"]
+    assert list(found) == ["sampler.attn", "helper", "child", "decorated"]
     with pytest.raises(ValueError, match=r"\(Router\)"):
         find_attention_modules(Router())
     # Its own attention: told to move it into a module of its own.

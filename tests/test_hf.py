@@ -29,13 +29,31 @@ VOCAB, PAD, CLS, SEP, LENGTH, HEADS, LAYERS = 40, 0, 1, 2, 7, 4, 2
 WORDS = ["[PAD]", "[CLS]", "[SEP]", "[UNK]"] + [f"w{i}" for i in range(4, VOCAB)]
 
 
+class UndeclaredBert(transformers.BertModel):
+    """BERT declaring no attention modules (as DeBERTa-v2 and MPNet): its modules compute attention by hand."""
+
+    _can_record_outputs = None
+
+
+SHAPES = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
+SHAPES |= {"intermediate_size": 32, "max_position_embeddings": LENGTH + 4, "pad_token_id": PAD}
+
+
 def tiny(kind="bert", attn_implementation="eager", **extra):
-    """A randomly initialised BERT-family model small enough for a unit test."""
+    """A randomly initialised BERT-family model small enough for a unit test: ``kind`` bert, roberta, distilbert, or
+    one declaring no attention modules: deberta (DeBERTa-v3's relative attention), mpnet or undeclared (BERT)."""
     if kind == "distilbert":
         config = transformers.DistilBertConfig(
             vocab_size=VOCAB, dim=16, n_layers=LAYERS, n_heads=HEADS, hidden_dim=32, pad_token_id=PAD
         )
         model_class = transformers.DistilBertModel
+    elif kind == "deberta":
+        relative = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 4}
+        config = transformers.DebertaV2Config(**SHAPES, **relative, norm_rel_ebd="layer_norm", share_att_key=True)
+        model_class = transformers.DebertaV2Model
+    elif kind == "mpnet":
+        config = transformers.MPNetConfig(**SHAPES)
+        model_class = transformers.MPNetModel
     else:
         config_class = transformers.RobertaConfig if kind == "roberta" else transformers.BertConfig
         # RoBERTa counts positions from pad_token_id + 1: leave room for them.
@@ -49,7 +67,9 @@ def tiny(kind="bert", attn_implementation="eager", **extra):
             pad_token_id=PAD,
             **extra,
         )
-        model_class = transformers.RobertaModel if kind == "roberta" else transformers.BertModel
+        model_class = {"roberta": transformers.RobertaModel, "undeclared": UndeclaredBert}.get(
+            kind, transformers.BertModel
+        )
     config._attn_implementation = attn_implementation
     torch.manual_seed(0)
     return model_class(config).eval()
@@ -108,6 +128,8 @@ def word_tokenizer():
         ("bert", [f"encoder.layer.{i}.attention.self" for i in range(LAYERS)]),
         ("roberta", [f"encoder.layer.{i}.attention.self" for i in range(LAYERS)]),
         ("distilbert", [f"transformer.layer.{i}.attention" for i in range(LAYERS)]),
+        ("deberta", [f"encoder.layer.{i}.attention.self" for i in range(LAYERS)]),  # declares none: read by hand
+        ("mpnet", [f"encoder.layer.{i}.attention.attn" for i in range(LAYERS)]),
     ],
 )
 def test_hf_attention_modules_of_bert_family_are_found_and_read_as_output_attentions(kind, names):
@@ -139,12 +161,20 @@ def test_hf_cross_attention_modules_are_found_with_their_own_shapes():
     assert list(captured) == cross and captured[cross[0]][0].shape == (4, HEADS, LENGTH, 3)
 
 
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-def test_hf_monitor_sums_equal_a_float64_loop_over_output_attentions(tmp_path, attn_implementation):
+@pytest.mark.parametrize(
+    ("kind", "attn_implementation", "module"),
+    [
+        ("bert", "eager", "encoder.layer.{}.attention.self"),
+        ("bert", "sdpa", "encoder.layer.{}.attention.self"),
+        ("deberta", "eager", "encoder.layer.{}.attention.self"),  # declare no attention modules: read by hand
+        ("mpnet", "eager", "encoder.layer.{}.attention.attn"),
+    ],
+)
+def test_hf_monitor_sums_equal_a_float64_loop_over_output_attentions(tmp_path, kind, attn_implementation, module):
     seed_everything(0)
-    model = tiny()  # eager: the reference's output_attentions; the monitored model has the same weights
+    model = tiny(kind)  # eager: the reference's output_attentions; the monitored model has the same weights
     monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], sink_ids=[CLS, SEP], export="pt")
-    validate(tmp_path, monitor, tiny(attn_implementation=attn_implementation))
+    validate(tmp_path, monitor, tiny(kind, attn_implementation))
     record = load_epoch(next((tmp_path / "tb").rglob("*.pt")))
     S = torch.zeros(LAYERS, HEADS, VOCAB, VOCAB, dtype=torch.float64)
     Q = torch.zeros(VOCAB, dtype=torch.float64)
@@ -156,12 +186,13 @@ def test_hf_monitor_sums_equal_a_float64_loop_over_output_attentions(tmp_path, a
                 counts = torch.zeros_like(Q)  # every layer sees the same queries: count them once
                 add_loop_sums(S[layer], counts, ids, attentions[layer], PAD)
             Q += counts
+    assert list(record.modules) == [f"model.{module.format(layer)}" for layer in range(LAYERS)]
     for layer in range(LAYERS):
-        stats = record.modules[f"model.encoder.layer.{layer}.attention.self"]
+        stats = record.modules[f"model.{module.format(layer)}"]
         torch.testing.assert_close(stats.attention_sum.double(), S[layer], rtol=1e-5, atol=1e-6)
         assert torch.equal(stats.query_count.double(), Q)
     # the padded keys carry no mass, so every seen query row sums to 1
-    P = record.modules["model.encoder.layer.0.attention.self"].attention_mass
+    P = record.modules[f"model.{module.format(0)}"].attention_mass
     seen = Q > 0
     torch.testing.assert_close(P.sum(-1)[:, seen], torch.ones(HEADS, int(seen.sum())))
 
@@ -273,15 +304,32 @@ def test_hf_minilm_example_runs_offline_and_shows_the_real_attention_sinks(tmp_p
             assert {"[CLS]", "[SEP]"} & set(top), (layer, top)  # the sinks are the top PageRank hubs
 
 
-def test_hf_model_without_attention_outputs_is_named_in_the_error():
-    class NoRecords(transformers.BertModel):
-        _can_record_outputs = None  # as a model that declares nothing
+def test_hf_model_without_attention_outputs_or_attention_by_hand_is_named_in_the_error():
+    class NoAttention(transformers.PreTrainedModel):
+        config_class = transformers.BertConfig
 
-    config = tiny().config
+        def __init__(self, config):
+            super().__init__(config)
+            self.dense = torch.nn.Linear(config.hidden_size, config.hidden_size)
+
     with pytest.raises(
-        ValueError, match="holds the Hugging Face model NoRecords, which declares no attention modules we can read"
+        ValueError, match="holds the Hugging Face model NoAttention, which declares no attention modules"
     ):
-        find_attention_modules(NoRecords(config))
+        find_attention_modules(NoAttention(tiny().config))
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_hf_model_declaring_no_attention_modules_is_read_by_hand_as_its_declaring_twin(attn_implementation):
+    # the same BERT with its records removed: its modules' softmax (eager) or SDPA calls (sdpa) are read instead
+    undeclared, declared = tiny("undeclared", attn_implementation), tiny("bert", attn_implementation)
+    names = [f"encoder.layer.{i}.attention.self" for i in range(LAYERS)]
+    assert list(find_attention_modules(undeclared)) == names
+    batch = make_batches()[0]
+    with torch.no_grad(), capture_attention(undeclared) as got, capture_attention(declared) as want:
+        undeclared(**batch)
+        declared(**batch)
+    for name in names:
+        assert len(got[name]) == 1 and torch.equal(got[name][0], want[name][0])
 
 
 def test_hf_nested_models_use_their_own_records_and_names_inside_the_model():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -77,9 +77,14 @@ class ByHand:
         cls,
         watched: Mapping[str, nn.Module],
         expect: Callable[[str, torch.device], tuple[int, int, int] | None] | None = None,
+        declared: Container[str] = (),
     ) -> ByHand:
-        """The watched modules that compute attention by hand, and those of them that call no SDPA."""
-        names = frozenset(name for name, module in watched.items() if computes_attention(module))
+        """The watched modules that compute attention by hand, and those of them that call no SDPA. Hugging Face
+        attention modules ``declared`` in their model's ``_can_record_outputs`` are read their own ways; the other
+        ``transformers`` modules watched lie in models that declare none (:func:`attn_callbacks.capture.find`)."""
+        names = frozenset(
+            name for name, module in watched.items() if computes_attention(module, undeclared=name not in declared)
+        )
         return cls(names, frozenset(name for name in names if not calls_sdpa(watched[name])), expect)
 
     def reader(self, consumer: ChunkConsumer, calls: dict[str, int]) -> HandReader:

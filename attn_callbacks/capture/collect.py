@@ -28,7 +28,8 @@ def capture_attention(model: nn.Module, modules: Sequence[str] | None = None) ->
 
     Yields:
         A dict: module name -> list of weight tensors ``(B, H, Lq, Lk)``, one per call, detached (SDPA calls: the
-        weights recomputed; a softmax computed by hand: its output; a module's k-th call of the block under
+        weights recomputed; a softmax computed by hand: its output, checked against no token lengths here, so a
+        softmax over scores of another layout comes back as it is; a module's k-th call of the block under
         ``f"{name}.call{k}"``).
 
     Example:

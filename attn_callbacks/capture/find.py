@@ -118,18 +118,25 @@ def attention_candidates(model: nn.Module) -> dict[str, nn.Module]:
 def _candidates(named: Mapping[str, nn.Module], hf_modules: Mapping[str, int]) -> dict[str, nn.Module]:
     found = {name: m for name, m in named.items() if isinstance(m, nn.MultiheadAttention) or name in hf_modules}
     inside = tuple(f"{name}." for name in found)  # their inner modules' calls are theirs
+    # Hugging Face models declaring no attention modules compute it by hand in their own (DeBERTa, MPNet)
+    undeclared = hf.undeclared_models(named, hf_modules)
     by_hand = set()
     for name, module in named.items():
         if name and name not in found and not name.startswith(inside):
             if _calls_attention(module):
                 found[name] = module
-            elif computes_attention(module):
+            elif computes_attention(module, undeclared=not hf.is_model(module) and _within(name, undeclared)):
                 found[name] = module
                 by_hand.add(name)
     # A module taking a softmax and a product that holds attention modules is their container (a model whose
     # generate() samples from a softmax, say), not attention of its own.
     holders = {name for name in by_hand if any(other.startswith(f"{name}.") for other in found)}
     return {name: found[name] for name in named if name in found and name not in holders}
+
+
+def _within(name: str, prefixes: Sequence[str]) -> bool:
+    """Whether module ``name`` lies inside a module named in ``prefixes`` ("" being the whole model)."""
+    return any(prefix == "" or name.startswith(f"{prefix}.") for prefix in prefixes)
 
 
 def _calls_attention(module: nn.Module) -> bool:

@@ -15,7 +15,7 @@ Nothing here imports ``transformers``: a model can only hold its modules if the 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,9 +30,11 @@ __all__ = [
     "eager_allowed",
     "eager_mask",
     "implementation",
+    "is_model",
     "missing_key_hint",
     "no_weights_message",
     "seq2seq_streams",
+    "undeclared_models",
     "unsupported_hint",
 ]
 
@@ -88,10 +90,29 @@ def unsupported_hint(model: nn.Module) -> str:
     if not roots:
         return ""
     return (
-        f"; it holds the Hugging Face model {roots[0]}, which declares no attention modules we can read in "
-        f"`_can_record_outputs` (transformers {transformers.__version__}: attn_callbacks reads models that declare "
-        "them, e.g. BERT, RoBERTa, DistilBERT, ELECTRA in transformers >= 5; DeBERTa-v2 and MPNet do not)"
+        f"; it holds the Hugging Face model {roots[0]}, which declares no attention modules in "
+        f"`_can_record_outputs` (transformers {transformers.__version__}) and none of whose modules takes a softmax "
+        "and a matrix product in its own code (attention computed by hand)"
     )
+
+
+def is_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face model (``transformers.PreTrainedModel``); False when ``transformers`` is
+    not imported."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def undeclared_models(named: Mapping[str, nn.Module], declared: Iterable[str]) -> list[str]:
+    """The names (as in ``named``) of the Hugging Face models holding none of the ``declared`` attention modules
+    (:func:`attention_outputs`): models whose ``_can_record_outputs`` names no attention (DeBERTa, MPNet, XLNet in
+    transformers 5), whose modules compute attention by hand, read as such."""
+    declared = list(declared)
+    return [
+        name
+        for name, module in named.items()
+        if is_model(module) and not any(name == "" or d.startswith(f"{name}.") for d in declared)
+    ]
 
 
 def seq2seq_streams(model: nn.Module) -> dict[str, tuple[str, str]]:

@@ -103,7 +103,7 @@ class AttentionCapture:
             for name, module in self.modules.items()
             if not isinstance(module, nn.MultiheadAttention) and not reads_output(module, name, self.output_index)
         }
-        self.by_hand = ByHand.of(self.watched, expect)  # watched modules computing attention by hand
+        self.by_hand = ByHand.of(self.watched, expect, self.output_index)  # watched modules computing it by hand
         self._handles: list[RemovableHandle] = []
         self._held: list[type[GlobalSwitch]] = []  # the process-wide settings this capture holds
         self._watch: SdpaWatch | None = None  # the watch over SDPA calls, while watching

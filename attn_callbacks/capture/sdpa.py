@@ -150,13 +150,15 @@ def calls_sdpa(module: nn.Module) -> bool:
     return _names_in(module, SDPA_NAME, depth=2)
 
 
-def computes_attention(module: nn.Module) -> bool:
+def computes_attention(module: nn.Module, undeclared: bool = False) -> bool:
     """Whether ``module`` computes attention by hand: the code of its class (as :func:`calls_sdpa` reads it) takes a
     softmax (``torch.softmax``, ``F.softmax``, ``Tensor.softmax`` or an ``nn.Softmax`` child) and a matrix product
     (``@``, ``matmul``, ``bmm``, ``baddbmm``, ``einsum``): minGPT, the Annotated Transformer, lucidrains-style
-    modules. Modules of ``torch`` and ``transformers`` are read their own ways and never count; static detection, no
-    call made."""
-    if type(module).__module__.split(".")[0] in ("torch", "transformers"):
+    modules. Modules of ``torch`` are read their own ways and never count, nor are those of ``transformers``, unless
+    ``undeclared``: inside a Hugging Face model that declares no attention modules (DeBERTa, MPNet; see
+    :func:`attn_callbacks.capture.hf.undeclared_models`). Static detection, no call made."""
+    package = type(module).__module__.split(".")[0]
+    if package == "torch" or (package == "transformers" and not undeclared):
         return False
     names = _class_names(type(module), 2) | frozenset().union(*(_code_names(v, 2) for v in vars(module).values()))
     softmax = "softmax" in names or any(isinstance(child, nn.Softmax) for child in module.children())
@@ -208,6 +210,7 @@ def _code_names(function: Any, depth: int = 0) -> frozenset[str]:
     the names the code of such a function of the same file refers to (a helper that calls it), ``depth - 1`` deep."""
     function = getattr(function, "__func__", function)  # classmethod / staticmethod / bound method
     function = getattr(function, "func", function)  # functools.partial
+    function = inspect.unwrap(function)  # a decorated function (functools.wraps): the code it wraps
     code = getattr(function, "__code__", None)
     if not isinstance(code, types.CodeType):
         return frozenset()
