@@ -332,6 +332,20 @@ def test_hf_model_declaring_no_attention_modules_is_read_by_hand_as_its_declarin
         assert len(got[name]) == 1 and torch.equal(got[name][0], want[name][0])
 
 
+def test_hf_models_declaring_attention_and_not_side_by_side_are_each_read_their_own_way():
+    # BERT is read from its declared modules' outputs, DeBERTa-v2 from its softmaxes; neither from the other's way
+    models = torch.nn.ModuleDict({"bert": tiny("bert"), "deberta": tiny("deberta")})
+    found = find_attention_modules(models)
+    assert list(found) == [f"{kind}.encoder.layer.{i}.attention.self" for kind in models for i in range(LAYERS)]
+    batch = make_batches()[0]
+    with torch.no_grad(), capture_attention(models) as got:
+        want = {kind: model(**batch, output_attentions=True).attentions for kind, model in models.items()}
+    for kind in models:
+        for i in range(LAYERS):
+            name = f"{kind}.encoder.layer.{i}.attention.self"
+            assert len(got[name]) == 1 and torch.equal(got[name][0], want[kind][i]), name
+
+
 def test_hf_nested_models_use_their_own_records_and_names_inside_the_model():
     # An outer model whose rule would match submodules of the BERT inside it by name: transformers applies each model's
     # rules to its own modules only, and so must we.
