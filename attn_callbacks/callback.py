@@ -343,6 +343,9 @@ class AttentionMonitor(MonitorOptions, Callback):
         streams = self._streams.of[name]
         query, key = self._streams.read_pair(name, streams, weights, rows, batch)
         self._report.warnings.row_mass(name, weights, query[1])
+        # Watched modules' weights come before dropout (SDPA's recomputed, a softmax's output): hooked ones' after it.
+        if module.training and self._sites.base(name) not in self._capture.watched:
+            self._report.warnings.training_mode(name, module)
         self._probe.keep(name, weights, rows)
         if not self._probe.only:
             other = self._streams.other_cell(streams)

@@ -21,8 +21,8 @@ from _callback_helpers import (
     run_validate,
     trainer,
 )
-from _reference import table_cells
-from lightning.pytorch import seed_everything
+from _reference import ACCELERATOR, table_cells
+from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
@@ -114,6 +114,18 @@ def test_callback_under_fast_dev_run_says_why_there_are_no_images(tmp_path):
     t = trainer(tmp_path, [monitor], fast_dev_run=True)  # a TensorBoardLogger given, replaced by Lightning
     with pytest.warns(UserWarning, match="fast_dev_run replaces the Trainer's loggers with a dummy one"):
         t.fit(TinyEncoder(), train, val)
+
+
+def test_callback_under_barebones_says_nothing_is_logged_not_that_scalars_are(tmp_path):
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    train, val = loaders()
+    t = Trainer(default_root_dir=tmp_path, accelerator=ACCELERATOR, max_epochs=1, barebones=True, callbacks=[monitor])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(TinyEncoder(), train, val)
+    said = [str(w.message) for w in caught if str(w.message).startswith("AttentionMonitor")]
+    assert sum("Trainer(barebones=True) turns logging off, so nothing the monitor computes" in m for m in said) == 1
+    assert not [message for message in said if "scalars are still logged" in message], said
 
 
 def test_callback_a_monitored_sanity_pass_logs_its_scalars_at_step_0(tmp_path):

@@ -2,6 +2,7 @@
 another model after fit."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -153,3 +154,36 @@ def test_attention_run_on_part_of_the_batch_is_refused_naming_the_module_and_bot
     expected = r"'encoder.layers.0.self_attn' ran on a batch of 2 samples.*\(4, 6\).*hold 4 and 4"
     with pytest.raises(ValueError, match=expected):
         trainer(tmp_path, [monitor]).validate(MicroBatched(), val, verbose=False)
+
+
+class TrainModeLater(TinyEncoder):
+    """Attention dropout 0.1, and ``self.train()`` in ``validation_step`` from the second epoch on (MC dropout, or a
+    slip): the first call of each module (the sanity pass, the first epoch) runs in eval mode."""
+
+    def __init__(self, switch: bool):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
+        self.encoder, self.switch = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), switch
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        if self.switch and self.current_epoch >= 1:
+            self.train()
+        super().validation_step(batch, batch_idx, dataloader_idx)
+
+
+@pytest.mark.parametrize("switch", [False, True])
+def test_a_hooked_module_run_in_training_mode_in_a_later_epoch_is_named_with_its_dropout(tmp_path, switch):
+    seed_everything(0)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    train, val = loaders()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [monitor], num_sanity_val_steps=2).fit(TrainModeLater(switch), train, val)
+    said = [str(w.message) for w in caught if "ran in training mode" in str(w.message)]
+    if not switch:  # Lightning validates in eval mode: no dropout, nothing to say
+        assert said == []
+        return
+    assert len(said) == 2, said  # once per module
+    for layer, message in enumerate(said):
+        assert f"module 'encoder.layers.{layer}.self_attn' ran in training mode" in message
+        assert "carry its dropout (p = 0.1)" in message

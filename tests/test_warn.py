@@ -1,8 +1,10 @@
 """Warnings: each said once per key, with what was seen and why."""
 
+import functools
 import warnings
 
 import torch
+from torch import nn
 
 from attn_callbacks.output.warn import Warnings
 
@@ -89,3 +91,30 @@ def test_warnings_name_the_first_module_whose_rows_do_not_sum_to_1_once():
     (over,) = caught(lambda: Warnings(0.1).row_mass("over", softmax * 1.02, valid))
     assert "sum to 1.02–1.02" in over
     assert caught(lambda: Warnings(0.1).row_mass("fine", softmax.float(), valid)) == []  # float32 rounding
+
+
+def test_training_mode_names_a_module_with_dropout_once_and_its_rate():
+    class Llamaish(nn.Module):  # a float rate, as Hugging Face's Llama keeps it
+        attention_dropout = 0.3
+
+    class Bertish(nn.Module):  # an nn.Dropout child, beside a float that is smaller
+        def __init__(self):
+            super().__init__()
+            self.dropout, self.rate = nn.Dropout(0.25), 0.1
+
+    said = Warnings(0.1)
+    modules = {
+        "mha": nn.MultiheadAttention(8, 2, dropout=0.2),
+        "llama": Llamaish(),
+        "bert": Bertish(),
+        "none": nn.MultiheadAttention(8, 2),
+    }
+    for name, module in modules.items():
+        messages = caught(functools.partial(said.training_mode, name, module))
+        rate = {"mha": 0.2, "llama": 0.3, "bert": 0.25}.get(name)
+        if rate is None:
+            assert messages == [], name
+        else:
+            assert len(messages) == 1 and f"module {name!r} ran in training mode" in messages[0], name
+            assert f"(p = {rate:g})" in messages[0], messages[0]
+        assert caught(functools.partial(said.training_mode, name, module)) == []  # once per module

@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection, Mapping
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = ["Warnings"]
 
@@ -91,6 +91,25 @@ class Warnings:
             f"them (leave them out with `modules=`), or {cause}.",
         )
 
+    def training_mode(self, name: str, module: nn.Module) -> None:
+        """Hooked module ``name`` (read from its own output: ``nn.MultiheadAttention``, Hugging Face eager) ran in
+        training mode in a monitored batch, where the weights it returns carry its attention dropout; said once per
+        module with dropout. Called at every call of a module in training mode: the flag is read per call, since
+        ``self.train()`` in a later epoch's ``validation_step`` would escape a first-call check."""
+        if f"training:{name}" in self._said:
+            return
+        self._said.add(f"training:{name}")
+        rate = _dropout(module)
+        if rate > 0:
+            self.once(
+                f"training_mode:{name}",
+                f"AttentionMonitor: attention module {name!r} ran in training mode in a monitored validation batch, "
+                f"so the weights it returns carry its dropout (p = {rate:g}): zeroed and scaled by 1 / (1 - p), "
+                "which every statistic then reads (rows no longer sum to 1). Lightning runs validation in eval mode: "
+                "something switched the model back (`self.train()` in `validation_step`, a callback); switch it back "
+                "to eval for the monitored batches, or leave the module out with `modules`.",
+            )
+
     def repeated(self, name: str, calls: int, streams: tuple[str, str]) -> None:
         """Hooked module ``name`` ran ``calls`` times in one batch: the calls add into its one set of sums."""
         if calls > 1:
@@ -159,7 +178,15 @@ class Warnings:
             )
 
     def no_tensorboard(self, trainer: Trainer) -> None:
-        """Rank 0 has no TensorBoard writer: only scalars are logged."""
+        """Rank 0 has no TensorBoard writer: only scalars are logged (nothing at all under ``barebones``)."""
+        if getattr(trainer, "barebones", False):
+            self.once(
+                "no_tb",
+                "AttentionMonitor: Trainer(barebones=True) turns logging off, so nothing the monitor computes is "
+                "logged (Lightning warns at each of its scalars), while its hooks still cost the monitored batches: "
+                "leave it out of barebones runs.",
+            )
+            return
         why = (
             "fast_dev_run replaces the Trainer's loggers with a dummy one"
             if trainer.fast_dev_run
@@ -266,3 +293,16 @@ class Warnings:
 def _names(names: list[str]) -> str:
     """The first two ``names`` quoted, and how many more."""
     return ", ".join(map(repr, names[:2])) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+
+
+def _dropout(module: nn.Module) -> float:
+    """The dropout rate an attention module applies to its weights in training mode, as far as its attributes tell:
+    ``nn.MultiheadAttention``'s ``dropout``; for a Hugging Face module the largest of its float ``dropout`` /
+    ``attention_dropout`` / ``attn_dropout`` and of its own ``nn.Dropout`` children's ``p`` (0: none found)."""
+    if isinstance(module, nn.MultiheadAttention):
+        return float(module.dropout)
+    rates = [getattr(module, attribute, 0.0) for attribute in ("dropout", "attention_dropout", "attn_dropout")]
+    rates += [child.p for child in module.children() if isinstance(child, nn.Dropout)]
+    return max(
+        (float(rate) for rate in rates if isinstance(rate, (int, float)) and not isinstance(rate, bool)), default=0.0
+    )
