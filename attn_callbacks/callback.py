@@ -176,7 +176,8 @@ class AttentionMonitor(MonitorOptions, Callback):
         else:
             exported = None
             try:
-                if drift_epoch and self.export is not None:  # first: the epoch end computes P where S lies
+                # First: the epoch end computes P where S lies. Not under fast_dev_run, which keeps no file either.
+                if drift_epoch and self.export is not None and not trainer.fast_dev_run:
                     exported = export_epoch(
                         trainer, merged, self._streams, self.export, self.export_dir, self._stage_prefix
                     )

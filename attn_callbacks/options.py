@@ -80,9 +80,9 @@ class MonitorOptions:
         probe_forward: ``fn(pl_module, batch)`` running the model on a probe batch given in ``probe`` (its output is
             ignored; nothing is logged or accumulated from it except the probe maps).
         probe_samples: how many samples of the probe batch to draw.
-        export: also save the raw sums and counts of every monitored validation epoch (not the sanity pass or test
-            epochs) as ``"pt"`` or ``"npz"`` files (read them back with :func:`attn_callbacks.load_epoch`); None to
-            save nothing.
+        export: also save the raw sums and counts of every monitored validation epoch (not the sanity pass, test
+            epochs or a ``fast_dev_run``) as ``"pt"`` or ``"npz"`` files (read them back with
+            :func:`attn_callbacks.load_epoch`); None to save nothing.
         export_dir: the folder the files go to; ``{logger log_dir}/attention_epochs`` when None.
         monitor_test: also monitor ``trainer.test()`` epochs, logged under ``{prefix}_test...`` tags (never drift
             epochs). ``predict`` is never monitored.

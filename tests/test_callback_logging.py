@@ -108,12 +108,15 @@ def test_callback_without_tensorboard_logs_scalars_and_warns_once(tmp_path):
     assert "attention_asymmetry/encoder.layers.0.self_attn" in text
 
 
-def test_callback_under_fast_dev_run_says_why_there_are_no_images(tmp_path):
-    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+def test_callback_under_fast_dev_run_says_why_there_are_no_images_and_writes_no_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the dummy logger's folder: the working directory
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD], export="pt")
     train, val = loaders()
     t = trainer(tmp_path, [monitor], fast_dev_run=True)  # a TensorBoardLogger given, replaced by Lightning
-    with pytest.warns(UserWarning, match="fast_dev_run replaces the Trainer's loggers with a dummy one"):
+    with pytest.warns(UserWarning, match="fast_dev_run replaces the Trainer's loggers with a dummy one, so heatmaps"):
         t.fit(TinyEncoder(), train, val)
+    assert "attention_asymmetry/encoder.layers.0.self_attn" in t.callback_metrics
+    assert not list(tmp_path.rglob("*.pt")), list(tmp_path.rglob("*"))
 
 
 def test_callback_under_barebones_says_nothing_is_logged_not_that_scalars_are(tmp_path):

@@ -187,15 +187,17 @@ class Warnings:
                 "leave it out of barebones runs.",
             )
             return
-        why = (
-            "fast_dev_run replaces the Trainer's loggers with a dummy one"
-            if trainer.fast_dev_run
-            else "no TensorBoardLogger in the Trainer"
-        )
+        if trainer.fast_dev_run:
+            self.once(
+                "no_tb",
+                "AttentionMonitor: fast_dev_run replaces the Trainer's loggers with a dummy one, so heatmaps, tables "
+                "and `export` files are skipped; scalars reach `trainer.callback_metrics` only.",
+            )
+            return
         self.once(
             "no_tb",
-            f"AttentionMonitor: {why}, so heatmaps and tables are skipped; scalars are still logged to the "
-            "Trainer's loggers.",
+            "AttentionMonitor: no TensorBoardLogger in the Trainer, so heatmaps and tables are skipped; scalars are "
+            "still logged to the Trainer's loggers.",
         )
 
     def all_skipped(self, name: str, skipped: int) -> None:
