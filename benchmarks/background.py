@@ -17,15 +17,15 @@ import statistics
 import tempfile
 import time
 
-from _presets import PRESETS
+from _presets import PRESETS, positive_int
 
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--train-batches", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epochs", type=positive_int, default=4)
+    parser.add_argument("--train-batches", type=positive_int, default=8)
+    parser.add_argument("--batches", type=positive_int, default=16, help="validation batches per epoch")
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--preset", default="stress", choices=sorted(PRESETS))
     return parser.parse_args()
 

@@ -19,12 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from _presets import positive_int
+
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modules", type=int, default=12, help="attention modules (views) in the run")
-    parser.add_argument("--epochs", type=int, default=10, help="epochs written per module")
-    parser.add_argument("--queries", type=int, default=50, help="requests timed per route")
+    parser.add_argument("--modules", type=positive_int, default=12, help="attention modules (views) in the run")
+    parser.add_argument("--epochs", type=positive_int, default=10, help="epochs written per module")
+    parser.add_argument("--queries", type=positive_int, default=50, help="requests timed per route")
     parser.add_argument("--quick", action="store_true", help="2 modules, 2 epochs, 3 queries: a smoke run")
     return parser.parse_args()
 

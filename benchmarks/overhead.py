@@ -50,7 +50,7 @@ import resource
 import statistics
 import time
 
-from _presets import PRESETS
+from _presets import PRESETS, positive_int
 
 # --configs name -> (the configuration's name in the output, the monitor's arguments)
 CONFIGS = {
@@ -65,8 +65,8 @@ CONFIGS = {
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (interleaved)")
+    parser.add_argument("--batches", type=positive_int, default=16, help="validation batches per epoch")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="timed rounds (interleaved)")
     parser.add_argument(
         "--models", default="stress,heavy,sdpa", help="comma-separated: stress, heavy, sdpa, hand (written out)"
     )

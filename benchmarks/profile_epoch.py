@@ -22,16 +22,16 @@ import platform
 from collections.abc import Callable
 from typing import Any
 
-from _presets import PRESETS
+from _presets import PRESETS, positive_int
 
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="stress", choices=sorted(PRESETS), help="the model's shapes")
     parser.add_argument("--model", default="heavy", choices=("stress", "heavy", "sdpa"))
-    parser.add_argument("--batches", type=int, default=16, help="validation batches per epoch")
+    parser.add_argument("--batches", type=positive_int, default=16, help="validation batches per epoch")
     parser.add_argument("--mean-of-heads", action="store_true", help="per_head=False")
-    parser.add_argument("--rows", type=int, default=25, help="ops listed")
+    parser.add_argument("--rows", type=positive_int, default=25, help="ops listed")
     return parser.parse_args()
 
 

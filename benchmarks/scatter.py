@@ -20,14 +20,15 @@ import statistics
 import time
 from collections.abc import Callable
 
+from _presets import positive_int
+
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=50, help="timed calls per figure, after 5 untimed (default 50)")
-    args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats: expected a positive integer, got {args.repeats}")
-    return args
+    parser.add_argument(
+        "--repeats", type=positive_int, default=50, help="timed calls per figure, after 5 untimed (default 50)"
+    )
+    return parser.parse_args()
 
 
 if __name__ == "__main__":

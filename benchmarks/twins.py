@@ -45,17 +45,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _presets import PRESETS
+from _presets import PRESETS, positive_int
 
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, interleaved (at least 3 for a verdict)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=5, help="timed rounds, interleaved (at least 3 for a verdict)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run whose figures mean nothing")
-    args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
-    return args
+    return parser.parse_args()
 
 
 if __name__ == "__main__":

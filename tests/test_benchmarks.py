@@ -77,6 +77,21 @@ def test_benchmark_script_help_exits_0_and_names_its_options_without_the_project
         assert option in done.stdout, f"{name} --help does not name {option}:\n{done.stdout}"
 
 
+@pytest.mark.parametrize(
+    ("name", "option"),
+    [
+        ("overhead.py", "--batches"),
+        ("background.py", "--epochs"),
+        ("explorer.py", "--queries"),
+        ("twins.py", "--rounds"),
+    ],
+)
+def test_benchmark_script_refuses_a_count_below_1_naming_the_option(name, option):
+    command = [sys.executable, "-S", str(BENCHMARKS / name), option, "0"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"argument {option}: expected a positive integer, got 0" in done.stderr, done
+
+
 def check_memory(out: str) -> None:
     """Every row: planned bytes; where measured (here the rows up to 64 MiB), the allocation equals the plan."""
     rows = re.findall(r"^\s*(\d+) (.+?)\s+([\d.]+ (?:B|KiB|MiB|GiB|TiB))\s+(\S+(?: \S+)?)\s+(fits|refused)$", out, re.M)
