@@ -855,3 +855,50 @@ def test_hf_generate_in_validation_step_is_left_out_and_the_sums_equal_the_forwa
     left_out = [message for message in said if "generate` in monitored batches" in message]
     assert len(left_out) == 1 and left_out[0].startswith(f"AttentionMonitor: {calls} call(s) of attention module(s)")
     assert calls > len(batches) * 3
+
+
+def test_hf_undeclared_seq2seq_reads_its_encoder_and_says_how_to_wire_its_decoder(tmp_path):
+    """FSMT declares no attention modules: its encoder's attention reads the source by itself; its decoder's are
+    refused with a mapping to give, by their names, and read as given (cross-attention: target over source ids)."""
+    import ast
+    import re
+
+    from _reference import naive_accumulate
+
+    config = transformers.FSMTConfig(
+        langs=["en", "de"], src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=16, encoder_layers=1,
+        decoder_layers=1, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=16, pad_token_id=PAD, decoder_start_token_id=CLS,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.FSMTForConditionalGeneration(config).eval()
+    batches = generative_batches("bart")  # source and (padded) target ids
+    streams = {"src": "input_ids", "tgt": "decoder_input_ids"}
+
+    def validate_with(**kwargs):
+        monitor = AttentionMonitor(VOCAB, streams, ignore_ids=[PAD], export="pt", **kwargs)
+        Trainer(
+            default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=[monitor], enable_progress_bar=False,
+            logger=TensorBoardLogger(tmp_path, name="tb"),
+        ).validate(Generating(model), DataLoader(batches, batch_size=None), verbose=False)  # fmt: skip
+
+    with pytest.raises(MisconfigurationException, match=r"'model\.model\.decoder\.layers\.0\.self_attn'") as refused:
+        validate_with()
+    suggested = ast.literal_eval(re.search(r"probably attention_streams=(\{.*?\})", str(refused.value)).group(1))
+    assert suggested == {
+        "model.model.decoder.*.self_attn": ("tgt", "tgt"),
+        "model.model.decoder.*.encoder_attn": ("tgt", "src"),
+    }
+    validate_with(attention_streams=suggested)
+    modules = load_epoch(next((tmp_path / "tb").rglob("*.pt"))).modules
+    layer = "model.model.{}.layers.0.{}"
+    parts = [("encoder", "self_attn"), ("decoder", "self_attn"), ("decoder", "encoder_attn")]
+    assert sorted(modules) == sorted(layer.format(*part) for part in parts)
+    S = torch.zeros(HEADS, VOCAB, VOCAB, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in batches:
+            cross = model(**batch, output_attentions=True).cross_attentions[0]
+            src, tgt = batch["input_ids"], batch["decoder_input_ids"]
+            S += naive_accumulate(cross, tgt, src, tgt != PAD, src != PAD, VOCAB, VOCAB)[0]
+    got = modules[layer.format("decoder", "encoder_attn")].attention_sum.double()
+    torch.testing.assert_close(got, S, rtol=1e-5, atol=1e-6)

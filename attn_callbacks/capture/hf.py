@@ -33,6 +33,7 @@ __all__ = [
     "is_model",
     "missing_key_hint",
     "no_weights_message",
+    "seq2seq_parts",
     "seq2seq_streams",
     "undeclared_models",
     "unsupported_hint",
@@ -115,21 +116,28 @@ def undeclared_models(named: Mapping[str, nn.Module], declared: Iterable[str]) -
     ]
 
 
-def seq2seq_streams(model: nn.Module) -> dict[str, tuple[str, str]]:
-    """(query stream, key stream) of the attention modules (:func:`attention_records`) of every Hugging Face
-    encoder-decoder model in ``model``, by ``named_modules()`` name, with the streams ``nn.Transformer`` names:
-    encoder self-attention ``("src", "src")``, decoder self-attention ``("tgt", "tgt")``, cross-attention
-    ``("tgt", "src")``."""
+def seq2seq_parts(model: nn.Module) -> dict[str, str]:
+    """The encoder and the decoder of every Hugging Face encoder-decoder model in ``model``: their
+    ``named_modules()`` names -> the stream their queries read, ``"src"`` or ``"tgt"``."""
     transformers = sys.modules.get("transformers")
     if transformers is None:
         return {}
-    parts: dict[str, str] = {}  # name prefix of each encoder / decoder -> its query stream
+    parts: dict[str, str] = {}
     ids = {id(module): name for name, module in model.named_modules()}
     for module in model.modules():
         if isinstance(module, transformers.PreTrainedModel) and getattr(module.config, "is_encoder_decoder", False):
             for stream, part in (("src", _part(module, "get_encoder")), ("tgt", _part(module, "get_decoder"))):
                 if id(part) in ids:
                     parts.setdefault(ids[id(part)], stream)
+    return parts
+
+
+def seq2seq_streams(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """(query stream, key stream) of the attention modules (:func:`attention_records`) of every Hugging Face
+    encoder-decoder model in ``model``, by ``named_modules()`` name, with the streams ``nn.Transformer`` names:
+    encoder self-attention ``("src", "src")``, decoder self-attention ``("tgt", "tgt")``, cross-attention
+    ``("tgt", "src")``."""
+    parts = seq2seq_parts(model)  # name prefix of each encoder / decoder -> its query stream
     roles: dict[str, tuple[str, str]] = {}
     for name, (_, cross) in attention_records(model).items():
         stream = next((s for prefix, s in parts.items() if name.startswith(f"{prefix}.")), None)

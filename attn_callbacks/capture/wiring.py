@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,8 @@ from attn_callbacks.capture import hf
 from attn_callbacks.capture.find import clean_name, named_modules
 
 __all__ = ["first_rule", "resolve_streams"]
+
+_CROSS = re.compile(r"encoder|cross|src|enc_?dec", re.IGNORECASE)  # a decoder module attending to the encoder
 
 
 def _stock_role(name: str, named: Mapping[str, nn.Module]) -> tuple[str, str] | None:
@@ -57,11 +60,14 @@ def resolve_streams(
             )
     named = named_modules(model)  # clean names, as the modules are named
     seq2seq = {clean_name(name): pair for name, pair in hf.seq2seq_streams(model).items()}
+    parts = {clean_name(name): stream for name, stream in hf.seq2seq_parts(model).items()}
     resolved: dict[str, tuple[str, str]] = {}
     for name in modules:
         pair = first_rule(name, rules)
         if pair is None:
-            role = _stock_role(name, named) or seq2seq.get(name)
+            # An encoder's attention reads the source, declared or not (a decoder's may be self- or cross-attention).
+            encoder = any(name.startswith(f"{part}.") and stream == "src" for part, stream in parts.items())
+            role = _stock_role(name, named) or seq2seq.get(name) or (("src", "src") if encoder else None)
             # A decoder's attention reads target tokens: not the one stream, unless that is the stream it reads.
             if len(streams) == 1 and role is not None and "tgt" in role and not set(role) <= set(streams):
                 raise ValueError(_one_stream_message(name, role, streams[0]))
@@ -72,6 +78,7 @@ def resolve_streams(
             raise ValueError(
                 f"No token stream for attention module {name!r}: add a pattern for it to argument "
                 f"`attention_streams` (pattern -> (query_stream, key_stream)); streams: {list(streams)}"
+                + _decoder_hint(name, modules, parts, streams)
             )
         resolved[name] = pair  # type: ignore[assignment]
     return resolved
@@ -92,6 +99,21 @@ def _one_stream_message(name: str, role: tuple[str, str], stream: str) -> str:
         f"and its keys source tokens, but `token_ids` names one stream, {stream!r}. Name both streams, as `forward` "
         f"takes them: {both}; or leave the module out with `modules` (cross-attention over what is not tokens, such "
         "as audio frames or image patches, cannot be mapped to a vocabulary)"
+    )
+
+
+def _decoder_hint(name: str, modules: Sequence[str], parts: Mapping[str, str], streams: Sequence[str]) -> str:
+    """For a module in the decoder of a Hugging Face encoder-decoder that declares no attention modules (FSMT, LED,
+    ProphetNet), a mapping of its decoder's modules by their last name to check and give; ``""`` otherwise."""
+    decoder = next((part for part, stream in parts.items() if stream == "tgt" and name.startswith(f"{part}.")), None)
+    if decoder is None or not {"src", "tgt"} <= set(streams):
+        return ""
+    last = dict.fromkeys(m.rpartition(".")[2] for m in modules if m.startswith(f"{decoder}."))
+    guess = {f"{decoder}.*.{n}": ("tgt", "src") if _CROSS.search(n) else ("tgt", "tgt") for n in last}
+    return (
+        f". It lies in a Hugging Face decoder ({decoder!r}) whose model does not declare which of its attention "
+        f"modules attend to the encoder; by their names, probably attention_streams={guess} (check the "
+        "cross-attention: its keys are source tokens)"
     )
 
 
