@@ -155,7 +155,8 @@ class AttentionMonitor(MonitorOptions, Callback):
         quiet = [name for name in silent if name not in only_generated]
         self._report.warnings.silent(quiet, self._monitored_batches, ran, hand)
         self._report.warnings.unread(self._capture.by_hand.unread)
-        outside = bool(ran) or any(self._capture.calls.values())  # some module ran outside generate()
+        read = any(self._capture.calls.values())  # before the probe's own batch adds its reads
+        outside = bool(ran) or read  # some module ran outside generate()
         self._report.warnings.generated(generated, sorted(self._capture.generators), only_generated, outside)
         try:
             if self._probe.own_batch and drift_epoch:
@@ -172,7 +173,7 @@ class AttentionMonitor(MonitorOptions, Callback):
         per_loader, merged = self._sums.collect()  # a collective under DDP
         # A module whose every row was dropped (NaN weights) still reports its skipped rows, and warns.
         if not any(int(stats.query_count.sum()) or int(stats.skipped_rows) for stats in merged.values()):
-            self._report.warnings.nothing_seen(self._monitored_batches, any(self._capture.calls.values()))
+            self._report.warnings.nothing_seen(self._monitored_batches, read)
         else:
             exported = None
             try:

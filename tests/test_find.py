@@ -1,9 +1,8 @@
 """Finding attention modules: what is found, the names wrappers leave, the errors that name the pattern, the device."""
 
-import functools
-
 import pytest
 import torch
+from _reference import passthrough
 from torch import nn
 
 from attn_callbacks.capture.find import clean_name, find_attention_modules, module_device
@@ -71,20 +70,23 @@ class BySoftmaxChild(nn.Module):  # lucidrains: einsum and an nn.Softmax
         return self.attend(torch.einsum("bhid,bhjd->bhij", q, k))
 
 
-def logged(forward):
-    """A decorator of the usual kind (``functools.wraps``): the wrapper's own code names no softmax or product."""
-
-    @functools.wraps(forward)
-    def wrapper(*args, **kwargs):
-        return forward(*args, **kwargs)
-
-    return wrapper
-
-
-class Decorated(nn.Module):  # a decorated forward: its wrapped code is read
-    @logged
+class Decorated(nn.Module):  # a forward decorated in another file: its wrapped code is read
+    @passthrough
     def forward(self, q, k):
         return (q @ k.transpose(-2, -1)).softmax(dim=-1)
+
+
+class Endless:
+    """Any attribute is a new object (addict's Dict, python-box): ``__wrapped__`` never ends."""
+
+    def __getattr__(self, name):
+        return Endless()
+
+
+class WithConfig(ByOperator):
+    def __init__(self):
+        super().__init__()
+        self.config = Endless()
 
 
 class Router(nn.Module):
@@ -112,9 +114,17 @@ class Sampler(nn.Module):
 
 def test_attention_computed_by_hand_is_found_by_its_softmax_and_product_never_a_holder_or_a_gate():
     found = find_attention_modules(
-        nn.ModuleDict({"sampler": Sampler(), "helper": ByHelper(), "child": BySoftmaxChild(), "decorated": Decorated()})
+        nn.ModuleDict(
+            {
+                "sampler": Sampler(),
+                "helper": ByHelper(),
+                "child": BySoftmaxChild(),
+                "decorated": Decorated(),
+                "configured": WithConfig(),
+            }
+        )
     )
-    assert list(found) == ["sampler.attn", "helper", "child", "decorated"]
+    assert list(found) == ["sampler.attn", "helper", "child", "decorated", "configured"]
     with pytest.raises(ValueError, match=r"\(Router\)"):
         find_attention_modules(Router())
     # Its own attention: told to move it into a module of its own.

@@ -857,6 +857,17 @@ def test_hf_generate_in_validation_step_is_left_out_and_the_sums_equal_the_forwa
     assert calls > len(batches) * 3
 
 
+def tiny_fsmt():
+    """FSMT (the WMT19 translation models), which declares no attention modules."""
+    config = transformers.FSMTConfig(
+        langs=["en", "de"], src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=16, encoder_layers=1,
+        decoder_layers=1, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=16, pad_token_id=PAD, decoder_start_token_id=CLS,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.FSMTForConditionalGeneration(config).eval()
+
+
 def test_hf_undeclared_seq2seq_reads_its_encoder_and_says_how_to_wire_its_decoder(tmp_path):
     """FSMT declares no attention modules: its encoder's attention reads the source by itself; its decoder's are
     refused with a mapping to give, by their names, and read as given (cross-attention: target over source ids)."""
@@ -865,13 +876,7 @@ def test_hf_undeclared_seq2seq_reads_its_encoder_and_says_how_to_wire_its_decode
 
     from _reference import naive_accumulate
 
-    config = transformers.FSMTConfig(
-        langs=["en", "de"], src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=16, encoder_layers=1,
-        decoder_layers=1, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=32,
-        decoder_ffn_dim=32, max_position_embeddings=16, pad_token_id=PAD, decoder_start_token_id=CLS,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.FSMTForConditionalGeneration(config).eval()
+    model = tiny_fsmt()
     batches = generative_batches("bart")  # source and (padded) target ids
     streams = {"src": "input_ids", "tgt": "decoder_input_ids"}
 
@@ -902,3 +907,14 @@ def test_hf_undeclared_seq2seq_reads_its_encoder_and_says_how_to_wire_its_decode
             S += naive_accumulate(cross, tgt, src, tgt != PAD, src != PAD, VOCAB, VOCAB)[0]
     got = modules[layer.format("decoder", "encoder_attn")].attention_sum.double()
     torch.testing.assert_close(got, S, rtol=1e-5, atol=1e-6)
+
+
+def test_hf_undeclared_seq2seq_with_one_token_stream_is_refused_naming_a_decoder_module(tmp_path):
+    """As a declared model's: its decoder's queries are target tokens, never the one (source) stream's."""
+    batches = generative_batches("bart")
+    for batch in batches:  # the same length as the source: nothing else would tell
+        batch["decoder_input_ids"] = batch["input_ids"].flip(-1)
+    monitor = AttentionMonitor(VOCAB, "input_ids", ignore_ids=[PAD])
+    trainer = Trainer(default_root_dir=tmp_path, accelerator=ACCELERATOR, callbacks=[monitor], logger=False)
+    with pytest.raises(MisconfigurationException, match=r"'model\.model\.decoder\..*' lies in a Hugging Face decoder"):
+        trainer.validate(Generating(tiny_fsmt()), DataLoader(batches, batch_size=None), verbose=False)

@@ -102,12 +102,18 @@ def test_training_mode_names_a_module_with_dropout_once_and_its_rate():
             super().__init__()
             self.dropout, self.rate = nn.Dropout(0.25), 0.1
 
+    class GPT2ish(nn.Module):  # no dropout on the weights, some on the output: nothing to say
+        def __init__(self):
+            super().__init__()
+            self.attn_dropout, self.resid_dropout = nn.Dropout(0.0), nn.Dropout(0.1)
+
     said = Warnings(0.1)
     modules = {
         "mha": nn.MultiheadAttention(8, 2, dropout=0.2),
         "llama": Llamaish(),
         "bert": Bertish(),
         "none": nn.MultiheadAttention(8, 2),
+        "gpt2": GPT2ish(),
     }
     for name, module in modules.items():
         messages = caught(functools.partial(said.training_mode, name, module))

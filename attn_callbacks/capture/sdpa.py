@@ -207,10 +207,24 @@ def _code_names(function: Any, depth: int = 0) -> frozenset[str]:
     """Every global, attribute and enclosing-scope name the code of a function (nested functions included) refers to;
     with ``depth`` ≥ 1, for a name that is a function (a global, or a variable of the enclosing scope), its own name
     too (an alias: ``from torch.nn.functional import scaled_dot_product_attention as sdpa``), and with ``depth`` ≥ 2
-    the names the code of such a function of the same file refers to (a helper that calls it), ``depth - 1`` deep."""
+    the names the code of such a function of the same file refers to (a helper that calls it), ``depth - 1`` deep.
+    A decorated function (``functools.wraps``) adds the names of the function it wraps: a decorator of another file
+    (transformers' ``deprecate_kwarg``) hides them otherwise."""
     function = getattr(function, "__func__", function)  # classmethod / staticmethod / bound method
     function = getattr(function, "func", function)  # functools.partial
-    function = inspect.unwrap(function)  # a decorated function (functools.wraps): the code it wraps
+    names = _own_code_names(function, depth)
+    if inspect.isfunction(function) and hasattr(function, "__wrapped__"):
+        try:
+            wrapped = inspect.unwrap(function)
+        except (ValueError, RecursionError):  # a __wrapped__ loop
+            wrapped = function
+        if wrapped is not function:
+            names |= _own_code_names(wrapped, depth)
+    return names
+
+
+def _own_code_names(function: Any, depth: int) -> frozenset[str]:
+    """:func:`_code_names` of one function's own code."""
     code = getattr(function, "__code__", None)
     if not isinstance(code, types.CodeType):
         return frozenset()

@@ -66,8 +66,10 @@ def resolve_streams(
         pair = first_rule(name, rules)
         if pair is None:
             # An encoder's attention reads the source, declared or not (a decoder's may be self- or cross-attention).
-            encoder = any(name.startswith(f"{part}.") and stream == "src" for part, stream in parts.items())
-            role = _stock_role(name, named) or seq2seq.get(name) or (("src", "src") if encoder else None)
+            part = next((stream for prefix, stream in parts.items() if name.startswith(f"{prefix}.")), None)
+            role = _stock_role(name, named) or seq2seq.get(name) or (("src", "src") if part == "src" else None)
+            if len(streams) == 1 and role is None and part == "tgt":  # an undeclared decoder's: target queries
+                raise ValueError(_one_stream_message(name, None, streams[0]))
             # A decoder's attention reads target tokens: not the one stream, unless that is the stream it reads.
             if len(streams) == 1 and role is not None and "tgt" in role and not set(role) <= set(streams):
                 raise ValueError(_one_stream_message(name, role, streams[0]))
@@ -84,8 +86,16 @@ def resolve_streams(
     return resolved
 
 
-def _one_stream_message(name: str, role: tuple[str, str], stream: str) -> str:
+def _one_stream_message(name: str, role: tuple[str, str] | None, stream: str) -> str:
+    """Why a decoder's attention module (``role``: its streams; None: a Hugging Face decoder's, self- or
+    cross-attention) cannot read the one stream ``stream``."""
     both = "token_ids={'src': <source ids' key>, 'tgt': <target ids' key>}"
+    if role is None:
+        return (
+            f"Attention module {name!r} lies in a Hugging Face decoder: its queries are target tokens, but "
+            f"`token_ids` names one stream, {stream!r}, whose ids its weights would be mapped to. Name both streams, "
+            f"as the model takes them: {both}; or leave the module out with `modules`"
+        )
     if role == ("tgt", "tgt"):
         return (
             f"Attention module {name!r} is a decoder's self-attention: its queries are target tokens, but `token_ids` "

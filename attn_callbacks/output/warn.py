@@ -96,19 +96,21 @@ class Warnings:
         training mode in a monitored batch, where the weights it returns carry its attention dropout; said once per
         module with dropout. Called at every call of a module in training mode: the flag is read per call, since
         ``self.train()`` in a later epoch's ``validation_step`` would escape a first-call check."""
-        if f"training:{name}" in self._said:
+        key = f"training:{name}"
+        if key in self._said:
             return
-        self._said.add(f"training:{name}")
         rate = _dropout(module)
-        if rate > 0:
-            self.once(
-                f"training_mode:{name}",
-                f"AttentionMonitor: attention module {name!r} ran in training mode in a monitored validation batch, "
-                f"so the weights it returns carry its dropout (p = {rate:g}): zeroed and scaled by 1 / (1 - p), "
-                "which every statistic then reads (rows no longer sum to 1). Lightning runs validation in eval mode: "
-                "something switched the model back (`self.train()` in `validation_step`, a callback); switch it back "
-                "to eval for the monitored batches, or leave the module out with `modules`.",
-            )
+        if rate == 0:
+            self._said.add(key)  # nothing to say, nor to look up again
+            return
+        self.once(
+            key,
+            f"AttentionMonitor: attention module {name!r} ran in training mode in a monitored validation batch, "
+            f"so the weights it returns carry its dropout (p = {rate:g}): zeroed and scaled by 1 / (1 - p), "
+            "which every statistic then reads (rows no longer sum to 1). Lightning runs validation in eval mode: "
+            "something switched the model back (`self.train()` in `validation_step`, a callback); switch it back "
+            "to eval for the monitored batches, or leave the module out with `modules`.",
+        )
 
     def repeated(self, name: str, calls: int, streams: tuple[str, str]) -> None:
         """Hooked module ``name`` ran ``calls`` times in one batch: the calls add into its one set of sums."""
@@ -299,12 +301,14 @@ def _names(names: list[str]) -> str:
 
 def _dropout(module: nn.Module) -> float:
     """The dropout rate an attention module applies to its weights in training mode, as far as its attributes tell:
-    ``nn.MultiheadAttention``'s ``dropout``; for a Hugging Face module the largest of its float ``dropout`` /
-    ``attention_dropout`` / ``attn_dropout`` and of its own ``nn.Dropout`` children's ``p`` (0: none found)."""
+    ``nn.MultiheadAttention``'s ``dropout``; for a Hugging Face module the first of ``attn_dropout`` (GPT-2),
+    ``attention_dropout`` (Llama), ``dropout`` (BERT, T5, BART) it has, a rate or an ``nn.Dropout``; 0 when none.
+    Other dropouts (GPT-2's ``resid_dropout``) act on the output, not on the weights."""
     if isinstance(module, nn.MultiheadAttention):
         return float(module.dropout)
-    rates = [getattr(module, attribute, 0.0) for attribute in ("dropout", "attention_dropout", "attn_dropout")]
-    rates += [child.p for child in module.children() if isinstance(child, nn.Dropout)]
-    return max(
-        (float(rate) for rate in rates if isinstance(rate, (int, float)) and not isinstance(rate, bool)), default=0.0
-    )
+    for attribute in ("attn_dropout", "attention_dropout", "dropout"):
+        rate = getattr(module, attribute, None)
+        rate = rate.p if isinstance(rate, nn.Dropout) else rate
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool):
+            return float(rate)
+    return 0.0
