@@ -33,6 +33,7 @@ __all__ = [
     "is_model",
     "missing_key_hint",
     "no_weights_message",
+    "part_of",
     "seq2seq_parts",
     "seq2seq_streams",
     "undeclared_models",
@@ -132,6 +133,12 @@ def seq2seq_parts(model: nn.Module) -> dict[str, str]:
     return parts
 
 
+def part_of(name: str, parts: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(name prefix, query stream)`` of the encoder or decoder in ``parts`` (:func:`seq2seq_parts`) that holds
+    module ``name``, or None."""
+    return next(((prefix, stream) for prefix, stream in parts.items() if name.startswith(f"{prefix}.")), None)
+
+
 def seq2seq_streams(model: nn.Module) -> dict[str, tuple[str, str]]:
     """(query stream, key stream) of the attention modules (:func:`attention_records`) of every Hugging Face
     encoder-decoder model in ``model``, by ``named_modules()`` name, with the streams ``nn.Transformer`` names:
@@ -140,9 +147,9 @@ def seq2seq_streams(model: nn.Module) -> dict[str, tuple[str, str]]:
     parts = seq2seq_parts(model)  # name prefix of each encoder / decoder -> its query stream
     roles: dict[str, tuple[str, str]] = {}
     for name, (_, cross) in attention_records(model).items():
-        stream = next((s for prefix, s in parts.items() if name.startswith(f"{prefix}.")), None)
-        if stream is not None:
-            roles[name] = ("tgt", "src") if cross else (stream, stream)
+        part = part_of(name, parts)
+        if part is not None:
+            roles[name] = ("tgt", "src") if cross else (part[1], part[1])
     return roles
 
 

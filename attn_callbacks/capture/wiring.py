@@ -66,12 +66,12 @@ def resolve_streams(
         pair = first_rule(name, rules)
         if pair is None:
             # An encoder's attention reads the source, declared or not (a decoder's may be self- or cross-attention).
-            part = next((stream for prefix, stream in parts.items() if name.startswith(f"{prefix}.")), None)
+            prefix, part = hf.part_of(name, parts) or (None, None)
             role = _stock_role(name, named) or seq2seq.get(name) or (("src", "src") if part == "src" else None)
-            if len(streams) == 1 and role is None and part == "tgt":  # an undeclared decoder's: target queries
-                raise ValueError(_one_stream_message(name, None, streams[0]))
-            # A decoder's attention reads target tokens: not the one stream, unless that is the stream it reads.
-            if len(streams) == 1 and role is not None and "tgt" in role and not set(role) <= set(streams):
+            # A decoder's attention reads target tokens (an undeclared decoder's too, self- or cross-attention): not
+            # the one stream, unless that is the stream it reads.
+            decoder = part == "tgt" if role is None else "tgt" in role
+            if len(streams) == 1 and decoder and (role is None or not set(role) <= set(streams)):
                 raise ValueError(_one_stream_message(name, role, streams[0]))
             pair = (streams[0], streams[0]) if len(streams) == 1 else role
             if pair is not None and not set(pair) <= set(streams):
@@ -80,7 +80,7 @@ def resolve_streams(
             raise ValueError(
                 f"No token stream for attention module {name!r}: add a pattern for it to argument "
                 f"`attention_streams` (pattern -> (query_stream, key_stream)); streams: {list(streams)}"
-                + _decoder_hint(name, modules, parts, streams)
+                + _decoder_hint(prefix if part == "tgt" else None, modules, streams)
             )
         resolved[name] = pair  # type: ignore[assignment]
     return resolved
@@ -112,10 +112,10 @@ def _one_stream_message(name: str, role: tuple[str, str] | None, stream: str) ->
     )
 
 
-def _decoder_hint(name: str, modules: Sequence[str], parts: Mapping[str, str], streams: Sequence[str]) -> str:
-    """For a module in the decoder of a Hugging Face encoder-decoder that declares no attention modules (FSMT, LED,
-    ProphetNet), a mapping of its decoder's modules by their last name to check and give; ``""`` otherwise."""
-    decoder = next((part for part, stream in parts.items() if stream == "tgt" and name.startswith(f"{part}.")), None)
+def _decoder_hint(decoder: str | None, modules: Sequence[str], streams: Sequence[str]) -> str:
+    """For a module in ``decoder``, the decoder of a Hugging Face encoder-decoder that declares no attention modules
+    (FSMT, LED, ProphetNet), a mapping of that decoder's modules by their last name to check and give; ``""`` for
+    None."""
     if decoder is None or not {"src", "tgt"} <= set(streams):
         return ""
     last = dict.fromkeys(m.rpartition(".")[2] for m in modules if m.startswith(f"{decoder}."))
